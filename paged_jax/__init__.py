@@ -1,0 +1,20 @@
+"""paged-jax: vLLM's PagedAttention as pure-functional JAX pytrees and Pallas kernels."""
+
+from paged_jax.config import CacheConfig
+from paged_jax.kv_cache import KVCache, copy_blocks, init_kv_cache, write
+from paged_jax.page_table import (
+    PageTable,
+    add_sequence,
+    fork,
+    init_page_table,
+    release,
+    reserve_slots,
+    slot_mapping,
+)
+from paged_jax.pool import BlockPool, allocate, decref, incref, init_pool
+
+__all__ = [
+    "BlockPool", "CacheConfig", "KVCache", "PageTable", "add_sequence", "allocate",
+    "copy_blocks", "decref", "fork", "incref", "init_kv_cache", "init_page_table", "init_pool",
+    "release", "reserve_slots", "slot_mapping", "write",
+]

@@ -1,0 +1,116 @@
+"""The one paged-attention entry point the model calls.
+
+A step's queries are a ragged batch: a flat run of T tokens in which sequence s owns
+``q[query_start[s]:query_start[s+1]]``, the *last* ``num_q[s]`` tokens of its context of
+``seq_lens[s]`` tokens (their K/V are already written to the cache). Query i of sequence s sits
+at position ``seq_lens[s] - num_q[s] + i`` and attends causally to keys 0..that position.
+Tokens past ``query_start[S]`` are padding and get zeros.
+
+    decode:         num_q = 1 for every sequence                    (max_q = 1)
+    chunked prefill: num_q = chunk, seq_lens = cached + chunk      (max_q = chunk bucket)
+
+Backends: "reference" (pure jnp, any platform) and "pallas" (kernels/, Triton on GPU,
+interpret mode elsewhere). `default_backend()` picks by platform.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from paged_jax.types import Array, Float, Int
+
+BACKENDS = ("reference", "pallas")
+
+
+def default_backend() -> str:
+    """"pallas" on GPU, "reference" elsewhere (interpret mode is for testing, not speed)."""
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def paged_attention(
+    q: Float[Array, "T Q D"],
+    k_pages: Float[Array, "H N K D"],
+    v_pages: Float[Array, "H N K D"],
+    block_tables: Int[Array, "S P"],
+    seq_lens: Int[Array, "S"],
+    query_start: Int[Array, "S+1"],
+    *,
+    max_q: int,
+    backend: str = "reference",
+    scale: float | None = None,
+) -> Float[Array, "T Q D"]:
+    """Causal attention of a ragged batch of queries over the paged KV cache.
+
+    Args:
+      q: [T, Q, D] queries, Q = H * G (grouped-query attention: query head j uses KV head j // G).
+      k_pages, v_pages: [H, N, K, D] one layer of the cache.
+      block_tables: [S, P] physical block of each logical block; padding entries are 0.
+      seq_lens: [S] context length per sequence including this step's tokens (0 = padding).
+      query_start: [S + 1] offsets of each sequence's queries in q (cumulative, nondecreasing).
+      max_q: static bound on any sequence's query count (1 for decode).
+      backend: "reference" or "pallas".
+      scale: softmax scale; default 1/sqrt(D).
+
+    Returns:
+      [T, Q, D] attention output, zeros for padding tokens.
+    """
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if backend == "reference":
+        return ragged_reference(
+            q, k_pages, v_pages, block_tables, seq_lens, query_start, max_q=max_q, scale=scale
+        )
+    if backend == "pallas":
+        from kernels import dispatch  # kernels import paged_jax, not the other way at import time
+
+        return dispatch.paged_attention(
+            q, k_pages, v_pages, block_tables, seq_lens, query_start, max_q=max_q, scale=scale
+        )
+    raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+
+
+def ragged_reference(
+    q: Float[Array, "T Q D"],
+    k_pages: Float[Array, "H N K D"],
+    v_pages: Float[Array, "H N K D"],
+    block_tables: Int[Array, "S P"],
+    seq_lens: Int[Array, "S"],
+    query_start: Int[Array, "S+1"],
+    *,
+    max_q: int,
+    scale: float,
+) -> Float[Array, "T Q D"]:
+    """Dense jnp reference: gather each sequence's pages, mask exactly, softmax in fp32."""
+    t, nq, d = q.shape
+    h = k_pages.shape[0]
+    s, p = block_tables.shape
+    num_q = query_start[1:] - query_start[:-1]
+    i = jnp.arange(max_q)
+    tok = query_start[:-1, None] + i[None, :]  # [S, max_q] token index of each query
+    valid = i[None, :] < num_q[:, None]
+    qg = q[jnp.clip(tok, 0, t - 1)].reshape(s, max_q, h, nq // h, d)
+
+    def gather(pages: Float[Array, "H N K D"]) -> Float[Array, "S X H D"]:
+        x = pages[:, block_tables]  # [H, S, P, K, D]
+        return jnp.moveaxis(x.reshape(h, s, -1, d), 0, 2)
+
+    keys, vals = gather(k_pages), gather(v_pages)
+    scores = jnp.einsum(
+        "sqhgd,skhd->shgqk", qg.astype(jnp.float32), keys.astype(jnp.float32)
+    ) * scale
+    qpos = seq_lens[:, None] - num_q[:, None] + i[None, :]  # [S, max_q]
+    kpos = jnp.arange(keys.shape[1])
+    mask = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < seq_lens[:, None, None])
+    mask = mask & valid[:, :, None]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    w = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))
+    w = w / jnp.maximum(w.sum(-1, keepdims=True), 1e-30)
+    # 0 * NaN is NaN: values past each sequence's end (stale or freed blocks) are zeroed too.
+    in_seq = kpos[None, :] < seq_lens[:, None]
+    vals = jnp.where(in_seq[:, :, None, None], vals.astype(jnp.float32), 0.0)
+    out = jnp.einsum("shgqk,skhd->sqhgd", w, vals).reshape(s, max_q, nq, d)
+    dest = jnp.where(valid, tok, t)  # invalid queries dropped
+    res = jnp.zeros((t, nq, d), jnp.float32).at[dest].set(out, mode="drop")
+    return res.astype(q.dtype)

@@ -1,0 +1,20 @@
+"""Axis letters used in every jaxtyping annotation of paged-jax, defined once.
+
+    B batch          T tokens (flat, ragged)    S sequence slots     P pages per sequence
+    N physical blocks in the pool               K block size (token slots per block)
+    H KV heads       Q query heads (H * G)      G query heads per KV head
+    D head dim       L layers                   E model width        V vocabulary
+    F forks (pairs)  C copy pairs
+
+Shapes are written in annotations as strings, e.g. ``Int[Array, "S P"]``.
+"""
+
+from jaxtyping import Array, Bool, Float, Int
+
+__all__ = ["Array", "Bool", "Float", "Int"]
+
+NULL_BLOCK = 0
+"""Block 0 is the zero block: never allocated or freed; padding table entries point at it."""
+
+PAD_SLOT = -1
+"""Slot-mapping value of a padding token: its K/V write is dropped."""
