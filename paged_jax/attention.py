@@ -101,8 +101,8 @@ def ragged_reference(
     ) * scale
     qpos = seq_lens[:, None] - num_q[:, None] + i[None, :]  # [S, max_q]
     kpos = jnp.arange(keys.shape[1])
-    mask = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < seq_lens[:, None, None])
-    mask = mask & valid[:, :, None]
+    causal = kpos[None, None, :] <= qpos[:, :, None]
+    mask = causal & (kpos[None, None, :] < seq_lens[:, None, None]) & valid[:, :, None]
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
     w = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))

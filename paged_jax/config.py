@@ -23,7 +23,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved): {self.num_blocks}")
         for name in ("block_size", "max_seqs", "max_blocks_per_seq"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

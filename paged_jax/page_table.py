@@ -109,7 +109,7 @@ def fork(
 
 
 def reserve_slots(
-    pool: BlockPool, table: PageTable, num_new: Int[Array, "S"]
+    pool: BlockPool, table: PageTable, num_new: Int[Array, "S"], max_new_blocks: int | None = None
 ) -> tuple[BlockPool, PageTable, tuple[Int[Array, "S"], Int[Array, "S"]], Bool[Array, ""]]:
     """Grows every sequence s by `num_new[s]` tokens, allocating blocks only at boundaries.
 
@@ -117,24 +117,30 @@ def reserve_slots(
     it first: the returned (src, dst) pairs must be copied in the KV cache (`copy_blocks`)
     before the new tokens are written. dst == 0 marks "no copy".
 
+    Args:
+      max_new_blocks: static bound on blocks any one sequence gains in this call, copies
+        included (e.g. 2 for decode); the work is O(S * max_new_blocks). Default P.
+
     Returns:
       (pool', table', (cow_src, cow_dst), ok). If the pool cannot cover every sequence, or a
       sequence would exceed P pages, ok is False and pool', table' equal pool, table.
     """
     k, p = table.block_size, table.max_blocks_per_seq
+    m = p if max_new_blocks is None else min(max_new_blocks, p)
     n = jnp.where(table.live, num_new.astype(jnp.int32), 0)
     old_len, new_len = table.seq_lens, table.seq_lens + n
     old_blocks, new_blocks = -(-old_len // k), -(-new_len // k)
     rows = jnp.arange(table.live.shape[0])
     last = table.block_tables[rows, jnp.clip(old_blocks - 1, 0)]
     cow = _needs_copy(pool, last, (n > 0) & (old_len % k != 0))
-    fits = jnp.all(new_blocks <= p)
-    want = jnp.where(fits, new_blocks - old_blocks + cow, 0)
-    pool2, ids, got = pool_lib.allocate(pool, want, max_per_seq=p)
+    want = new_blocks - old_blocks + cow
+    fits = jnp.all(new_blocks <= p) & jnp.all(want <= m)
+    want = jnp.where(fits, want, 0)
+    pool2, ids, got = pool_lib.allocate(pool, want, max_per_seq=m)
     ok = fits & got
 
     # Column of each allocated id: the cow copy replaces the last block, the rest append.
-    j = jnp.arange(p)[None, :]
+    j = jnp.arange(m)[None, :]
     col = old_blocks[:, None] + j - cow[:, None]
     col = jnp.where(j < want[:, None], col, p)  # p is out of bounds: dropped
     tables = table.block_tables.at[rows[:, None], col].set(ids, mode="drop")
@@ -148,16 +154,22 @@ def reserve_slots(
     return pool_out, table_out, (cow_src, cow_dst), ok
 
 
-def _needs_copy(pool: BlockPool, last: Int[Array, "S"], writes: Bool[Array, "S"]) -> Bool[Array, "S"]:
+def _needs_copy(
+    pool: BlockPool, last: Int[Array, "S"], writes: Bool[Array, "S"]
+) -> Bool[Array, "S"]:
     """Rows whose partly filled last block is shared and must be copied before the write.
 
     When every holder of a shared block writes in this same call, the first of them keeps the
-    block and only the others copy (what a sequential copy-on-write would do).
+    block and only the others copy (what a sequential copy-on-write would do). Writers per
+    block are counted with scatters into [N] arrays: O(N + S), not O(S^2).
     """
+    n = pool.num_blocks
+    rows = jnp.arange(last.shape[0])
     cand = writes & (pool.refcount[last] > 1)
-    same = (last[:, None] == last[None, :]) & cand[:, None] & cand[None, :]
-    earlier = jnp.tril(same, k=-1).any(axis=1)
-    keeper = cand & (same.sum(axis=1) == pool.refcount[last]) & ~earlier
+    target = jnp.where(cand, last, n)
+    writers = jnp.zeros((n,), jnp.int32).at[target].add(1, mode="drop")
+    first = jnp.full((n,), last.shape[0], jnp.int32).at[target].min(rows, mode="drop")
+    keeper = cand & (writers[last] == pool.refcount[last]) & (first[last] == rows)
     return cand & ~keeper
 
 

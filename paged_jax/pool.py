@@ -88,17 +88,17 @@ def incref(pool: BlockPool, ids: Int[Array, "..."]) -> BlockPool:
 def decref(pool: BlockPool, ids: Int[Array, "..."]) -> BlockPool:
     """Drops one reference per non-null id in `ids`; blocks reaching 0 go back on the free list.
 
-    Work is O(len(ids) log len(ids)): freed blocks are found among `ids` (deduplicated by
-    sorting), not by scanning the pool.
+    Freed blocks are found among `ids` (a repeated id is pushed once, at its first position),
+    never by scanning the pool's refcounts; they are pushed in the order they appear in `ids`.
     """
-    ids = jnp.sort(ids.reshape(-1))
-    real = ids != NULL_BLOCK
-    target = jnp.where(real, ids, pool.num_blocks)
+    ids = ids.reshape(-1)
+    m, n = ids.shape[0], pool.num_blocks
+    pos_in_ids = jnp.arange(m, dtype=jnp.int32)
+    target = jnp.where(ids != NULL_BLOCK, ids, n)
     refcount = pool.refcount.at[target].add(-1, mode="drop")
-    first_seen = jnp.concatenate([jnp.array([True]), ids[1:] != ids[:-1]])
-    freed = real & first_seen & (refcount[ids] == 0)
-    pos = pool.num_free + jnp.cumsum(freed) - 1
-    pos = jnp.where(freed, pos, pool.num_blocks)
+    first = jnp.full((n,), m, jnp.int32).at[target].min(pos_in_ids, mode="drop")
+    freed = (ids != NULL_BLOCK) & (first[ids] == pos_in_ids) & (refcount[ids] == 0)
+    pos = jnp.where(freed, pool.num_free + jnp.cumsum(freed) - 1, n)
     free_stack = pool.free_stack.at[pos].set(ids, mode="drop")
     return BlockPool(refcount, free_stack, pool.num_free + freed.sum(dtype=jnp.int32))
 

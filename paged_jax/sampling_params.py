@@ -1,0 +1,204 @@
+"""SamplingParams and BeamSearchParams with vLLM's offline-API field names, defaults, checks.
+
+Every validation error is a `ValueError` whose message starts with the offending field's name,
+so callers (and tests) can tell which argument was wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+_SAMPLING_EPS = 1e-5
+"""Temperatures below this are greedy (vLLM's rule): dividing by them would overflow."""
+
+
+class SamplingType(enum.IntEnum):
+    """How a request draws its tokens (vLLM's `SamplingType`)."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Per-request sampling settings; same names and defaults as vLLM's `SamplingParams`.
+
+    Attributes:
+      n: number of output sequences returned for the prompt.
+      presence_penalty: subtracted from logits of tokens already generated, in [-2, 2].
+      frequency_penalty: subtracted once per occurrence of an already generated token, [-2, 2].
+      repetition_penalty: > 0; logits of tokens seen in prompt or output are divided (if
+        positive) or multiplied (if negative) by it. 1 = off.
+      temperature: >= 0; 0 (or below 1e-5) means greedy.
+      top_p: in (0, 1]; keep the smallest set of most likely tokens whose mass reaches top_p.
+      top_k: keep the k most likely tokens; 0 or -1 = off (normalised to 0).
+      min_p: in [0, 1]; drop tokens whose probability is below min_p * the top probability.
+      seed: per-request random seed; None = the engine draws one.
+      stop: strings that end generation (a single str is wrapped in a list).
+      stop_token_ids: token ids that end generation (even with ignore_eos).
+      ignore_eos: keep generating after EOS.
+      max_tokens: most tokens generated per output; None = up to the model's context length.
+      min_tokens: EOS and stop_token_ids are blocked until this many tokens are generated.
+      logprobs: also return this many top log-probabilities per generated token.
+      prompt_logprobs: not supported; must be None.
+      detokenize: produce output text.
+      skip_special_tokens: drop special tokens from the output text.
+      spaces_between_special_tokens: vLLM's detokenizer option.
+      include_stop_str_in_output: keep the matched stop string at the end of the text.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.stop = _normalise_stop(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.top_k, int) and self.top_k == -1:
+            self.top_k = 0  # vLLM accepts both 0 and -1 for "off"; keep one spelling
+        self._verify_args()
+        if self.temperature < _SAMPLING_EPS:
+            self._verify_greedy()
+            # Greedy ignores the filters; resetting them keeps the device state uniform.
+            self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
+
+    def _verify_args(self) -> None:
+        _check_int("n", self.n, low=1)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_positive("repetition_penalty", self.repetition_penalty)
+        _check_range("temperature", self.temperature, 0.0, float("inf"))
+        _check_positive("top_p", self.top_p)
+        _check_range("top_p", self.top_p, 0.0, 1.0)
+        _check_int("top_k", self.top_k, low=0)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}."
+            )
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0)
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported by paged-jax; pass None.")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, low=0)
+
+    def _verify_greedy(self) -> None:
+        if self.n > 1:
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        """GREEDY when temperature is 0, else RANDOM_SEED with a seed, else RANDOM."""
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters of text to hold back while streaming, so a stop string is never shown."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (the list fields are not shared)."""
+        return dataclasses.replace(
+            self, stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or [])
+        )
+
+
+@dataclasses.dataclass
+class BeamSearchParams:
+    """Beam-search settings, as vLLM's `BeamSearchParams`.
+
+    Attributes:
+      beam_width: beams kept per step, >= 1.
+      max_tokens: most tokens generated, >= 1.
+      ignore_eos: keep extending beams after EOS.
+      temperature: >= 0, applied to the logits before the log-softmax that scores beams.
+      length_penalty: score = cum_logprob / len ** length_penalty.
+      include_stop_str_in_output: keep the stop string in the text.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, low=1)
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_range("temperature", self.temperature, 0.0, float("inf"))
+        _check_range("length_penalty", self.length_penalty, float("-inf"), float("inf"))
+
+
+def _normalise_stop(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    stop = list(stop)
+    if not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"stop must be a string or a list of non-empty strings, got {stop!r}.")
+    return stop
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass, but True as a seed or count is almost certainly a mistake.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, low: int | None = None) -> None:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an int, got {value!r}.")
+    if low is not None and value < low:  # type: ignore[operator]
+        raise ValueError(f"{name} must be at least {low}, got {value}.")
+
+
+def _check_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}.")
+    if value != value:  # NaN compares false with everything, so the range checks would pass
+        raise ValueError(f"{name} must not be NaN.")
+    return float(value)
+
+
+def _check_range(name: str, value: object, low: float, high: float) -> None:
+    v = _check_number(name, value)
+    if not low <= v <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {v}.")
+
+
+def _check_positive(name: str, value: object) -> None:
+    if _check_number(name, value) <= 0.0:
+        raise ValueError(f"{name} must be greater than 0, got {value}.")
