@@ -39,6 +39,7 @@ def paged_attention(
     max_q: int,
     backend: str = "reference",
     scale: float | None = None,
+    max_q_rows: int | None = None,
 ) -> Float[Array, "T Q D"]:
     """Causal attention of a ragged batch of queries over the paged KV cache.
 
@@ -51,6 +52,9 @@ def paged_attention(
       max_q: static bound on any sequence's query count (1 for decode).
       backend: "reference" or "pallas".
       scale: softmax scale; default 1/sqrt(D).
+      max_q_rows: static hint: only the first `max_q_rows` sequences may have more than one
+        query (prefill chunks first, decodes after). The reference then pads only those rows
+        to max_q; the Pallas kernels are ragged and ignore it. None: any row may.
 
     Returns:
       [T, Q, D] attention output, zeros for padding tokens.
@@ -58,8 +62,8 @@ def paged_attention(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if backend == "reference":
-        return ragged_reference(
-            q, k_pages, v_pages, block_tables, seq_lens, query_start, max_q=max_q, scale=scale
+        return _split_reference(
+            q, k_pages, v_pages, block_tables, seq_lens, query_start, max_q, scale, max_q_rows
         )
     if backend == "pallas":
         from kernels import dispatch  # kernels import paged_jax, not the other way at import time
@@ -68,6 +72,21 @@ def paged_attention(
             q, k_pages, v_pages, block_tables, seq_lens, query_start, max_q=max_q, scale=scale
         )
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+
+
+def _split_reference(q, k_pages, v_pages, block_tables, seq_lens, query_start, max_q, scale,
+                     max_q_rows):
+    """Reference on two row groups: long rows padded to max_q, the rest to one query."""
+    s = block_tables.shape[0]
+    if max_q_rows is None or max_q == 1 or max_q_rows >= s:
+        return ragged_reference(q, k_pages, v_pages, block_tables, seq_lens, query_start,
+                                max_q=max_q, scale=scale)
+    head = ragged_reference(q, k_pages, v_pages, block_tables[:max_q_rows], seq_lens[:max_q_rows],
+                            query_start[: max_q_rows + 1], max_q=max_q, scale=scale)
+    tail = ragged_reference(q, k_pages, v_pages, block_tables[max_q_rows:], seq_lens[max_q_rows:],
+                            query_start[max_q_rows:], max_q=1, scale=scale)
+    # Each output token belongs to exactly one group; the other group leaves it zero.
+    return head + tail
 
 
 def ragged_reference(

@@ -1,0 +1,9 @@
+"""Pallas (Triton) paged-attention kernels: a lab of variants, each file with a jnp reference
+and a `__main__` checker/timer. The engine calls only `kernels.dispatch.paged_attention`
+(through `paged_jax.attention.paged_attention(..., backend="pallas")`).
+
+    paged_attention.py         decode: grouped | dot | split (flash-decoding)
+    ragged_paged_attention.py  chunked prefill + decode in one ragged batch: grouped | dot
+    dispatch.py                picks the variant from static shapes
+    gpu_check.py               `make gpu-check`: compile, validate and time on a GPU
+"""

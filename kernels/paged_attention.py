@@ -1,0 +1,339 @@
+# ruff: noqa: F821  (jaxtyping axis strings such as "S" read as undefined names)
+"""Decode paged attention (one query token per sequence), a kernel lab in Pallas (Triton).
+
+Every variant: grid (S, H[, splits]); one program owns one sequence x one KV head and the G query
+heads that share it (grouped-query attention), so each KV page is read from HBM once per KV head,
+not once per query head. Pages are looked up in the block table *inside* the kernel; the whole KV
+pool is passed untiled (memory_space=ANY) so no per-head copy of the pool is ever made. Softmax is
+online (flash style) in fp32; the scale is applied to q once.
+
+Triton needs power-of-2 tiles, so the G query heads of a KV head are padded to Gp = next_pow2(G)
+rows (SmolLM2: G=3 -> 4, 25% waste, not 16 -> 81% waste as with a tl.dot-friendly pad).
+
+  variant   | what                                   | trade-off
+  ----------|----------------------------------------|------------------------------------------
+  grouped   | Gp rows, q*k and p*v as elementwise     | no tl.dot size floor (works for block 8,
+            | multiply + sum, one page per step       | Gp 1..): least padding; CUDA cores only,
+            |                                         | fine while decode is HBM-bound (it is)
+  dot       | rows padded to >= 16, tl.dot            | tensor cores, but G=3 pays 16 rows and
+            | (needs block size >= 16)                | block 8 is refused; wins only for G >= 8
+  split     | grouped + flash-decoding: pages split   | fills the GPU when S*H is small and the
+            | over a 3rd grid axis, partial (o, m, l) | context is long; costs a second small
+            | combined by a jnp log-sum-exp reduction | reduction and fp32 partials in HBM
+
+Masking is exact: a key past seq_len gets score -inf (where, not a multiply) and its V row is
+replaced by 0 before p @ v, so a stale or NaN block (freed, or the zero block behind padding
+entries) never reaches the output: 0 * NaN would be NaN.
+
+Run `python -m kernels.paged_attention` to validate every variant at every block size / head dim /
+dtype against the jnp reference and time them (interpret mode off GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from paged_jax.types import Array, Float, Int
+
+Ref = Any  # a Pallas ref inside a kernel (not an Array)
+DType = Any  # jnp.float32 is a class, jnp.dtype("float32") an instance: both accepted
+
+VARIANTS = ("grouped", "dot", "split")
+DOT_MIN = 16  # tl.dot wants every dimension >= 16
+# The whole KV pool stays in HBM, untiled; kernels index pages through the block table.
+ANY = getattr(pl, "ANY", None) or pl.MemorySpace.ANY
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of 2 >= n (>= 1)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def use_interpret() -> bool:
+    """Interpret mode everywhere but on a GPU (Triton only compiles for CUDA/ROCm)."""
+    return jax.default_backend() != "gpu"
+
+
+def compiler_params(num_warps: int = 4, num_stages: int = 2) -> plgpu.CompilerParams:
+    """Triton params; passing them is also what selects Triton rather than Mosaic GPU."""
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+# ----------------------------------------------------------------------------- shared kernel math
+def init_state(rows: int, d: int) -> tuple[Array, Array, Array]:
+    """Online-softmax state: unnormalized output, running max, running denominator."""
+    o = jnp.zeros((rows, d), jnp.float32)
+    m = jnp.full((rows,), -jnp.inf, jnp.float32)
+    return o, m, jnp.zeros((rows,), jnp.float32)
+
+
+def _dot(a: Array, b: Array, contract: tuple[int, int]) -> Array:
+    """tl.dot, fp32 accumulation; fp32 inputs in IEEE fp32 (not TF32) to match the reference."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    dims = (((contract[0],), (contract[1],)), ((), ()))
+    return jax.lax.dot_general(
+        a, b, dims, precision=precision, preferred_element_type=jnp.float32
+    )
+
+
+def qk(q: Array, k: Array, use_dot: bool) -> Array:
+    """[R, D] x [K, D] -> [R, K] scores in fp32."""
+    if use_dot:
+        return _dot(q, k, (1, 1))
+    return jnp.sum(q[:, None, :] * k[None, :, :], axis=-1)
+
+
+def pv(p: Array, v: Array, use_dot: bool) -> Array:
+    """[R, K] x [K, D] -> [R, D] in fp32."""
+    if use_dot:
+        return _dot(p, v, (1, 0))
+    return jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
+
+
+def online_update(
+    state: tuple[Array, Array, Array], s: Array, v: Array, use_dot: bool
+) -> tuple[Array, Array, Array]:
+    """Folds one tile of masked scores s [R, K] (-inf = masked) and values v [K, D] in."""
+    o, m, den = state
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    # A row with nothing visible yet keeps max -inf; shift by 0 then so exp gives 0, not NaN.
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    corr = jnp.exp(m - m_safe)
+    p = jnp.exp(s - m_safe[:, None])
+    o = o * corr[:, None] + pv(p.astype(v.dtype) if use_dot else p, v, use_dot)
+    return o, m_new, den * corr + jnp.sum(p, axis=-1)
+
+
+def normalize(o: Array, den: Array) -> Array:
+    """o / den, and 0 for rows that saw no key (padding sequences)."""
+    return jnp.where(den[:, None] > 0, o / jnp.where(den > 0, den, 1.0)[:, None], 0.0)
+
+
+def load_page(ref: Ref, h: Array, page: Array, valid: Array, dtype: DType) -> Array:
+    """One [K, D] page of KV head h, rows past the sequence end replaced by 0 (they may be NaN)."""
+    x = ref[h, page, :, :].astype(dtype)
+    return jnp.where(valid[:, None], x, jnp.zeros_like(x))
+
+
+# ----------------------------------------------------------------------------- decode kernel
+def _decode_kernel(
+    q_ref, k_ref, v_ref, bt_ref, len_ref, *out_refs,
+    scale: float, pages_per_split: int, use_dot: bool, split: bool,
+) -> None:
+    s, h, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block = k_ref.shape[2]
+    dt = k_ref.dtype if use_dot else jnp.float32
+    q = (q_ref[...].astype(jnp.float32) * scale).astype(dt)  # [Gp, D]
+    length = len_ref[s]
+    first = part * pages_per_split
+    n = jnp.clip(pl.cdiv(length, block) - first, 0, pages_per_split)
+
+    def body(j, state):
+        i = first + j
+        page = bt_ref[s, i]
+        kpos = i * block + jnp.arange(block)
+        valid = kpos < length
+        k = load_page(k_ref, h, page, valid, dt)
+        v = load_page(v_ref, h, page, valid, dt)
+        scores = jnp.where(valid[None, :], qk(q, k, use_dot), -jnp.inf)
+        return online_update(state, scores, v, use_dot)
+
+    o, m, den = jax.lax.fori_loop(0, n, body, init_state(*q.shape))
+    if split:
+        o_ref, m_ref, den_ref = out_refs
+        o_ref[...], m_ref[...], den_ref[...] = o, m, den
+    else:
+        out_refs[0][...] = normalize(o, den).astype(out_refs[0].dtype)
+
+
+def combine_splits(
+    o: Float[Array, "S H X G D"], m: Float[Array, "S H X G"], den: Float[Array, "S H X G"]
+) -> Float[Array, "S H G D"]:
+    """Second pass of flash-decoding: log-sum-exp merge of the per-split partial results."""
+    m_all = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - jnp.where(m_all == -jnp.inf, 0.0, m_all))  # 0 for empty splits
+    num = jnp.sum(o * w[..., None], axis=2)
+    den = jnp.sum(den * w, axis=2)
+    return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("variant", "scale", "num_splits", "interpret", "num_warps")
+)
+def decode_attention(
+    q: Float[Array, "S Q D"],
+    k_pages: Float[Array, "H N K D"],
+    v_pages: Float[Array, "H N K D"],
+    block_tables: Int[Array, "S P"],
+    seq_lens: Int[Array, "S"],
+    *,
+    variant: str = "grouped",
+    scale: float | None = None,
+    num_splits: int = 1,
+    interpret: bool | None = None,
+    num_warps: int = 4,
+) -> Float[Array, "S Q D"]:
+    """One query token per sequence attending to its first seq_lens[s] cached tokens.
+
+    Args:
+      q: [S, Q, D] the query of each sequence (its position is seq_lens[s] - 1).
+      k_pages, v_pages: [H, N, K, D] one layer of the paged cache.
+      block_tables: [S, P] physical block per logical block (padding -> zero block 0).
+      seq_lens: [S] context lengths including the query token; 0 = padding (output 0).
+      variant: "grouped" | "dot" | "split" (see the module docstring).
+      num_splits: pages partitions for "split" (P is padded up to a multiple of it).
+
+    Returns:
+      [S, Q, D] attention output in q's dtype.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown decode variant {variant!r}; expected one of {VARIANTS}")
+    nseq, nq, d = q.shape
+    h, _, block, _ = k_pages.shape
+    g = nq // h
+    use_dot, split = variant == "dot", variant == "split"
+    if use_dot and block < DOT_MIN:
+        raise ValueError(f"variant 'dot' needs block size >= {DOT_MIN}, got {block}")
+    gp = max(next_pow2(g), DOT_MIN) if use_dot else next_pow2(g)
+    splits = num_splits if split else 1
+    p = block_tables.shape[1]
+    pps = -(-p // splits)
+    # Padding entries read the zero block; they are masked by length anyway.
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, pps * splits - p)))
+    qg = jnp.pad(q.reshape(nseq, h, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    scale = d**-0.5 if scale is None else scale
+    interpret = use_interpret() if interpret is None else interpret
+    any_spec = pl.BlockSpec(memory_space=ANY)
+    if split:
+        o_spec = pl.BlockSpec((None, None, None, gp, d), lambda s, i, x: (s, i, x, 0, 0))
+        st_spec = pl.BlockSpec((None, None, None, gp), lambda s, i, x: (s, i, x, 0))
+        out_specs = [o_spec, st_spec, st_spec]
+        out_shape = [
+            jax.ShapeDtypeStruct((nseq, h, splits, gp, d), jnp.float32),
+            jax.ShapeDtypeStruct((nseq, h, splits, gp), jnp.float32),
+            jax.ShapeDtypeStruct((nseq, h, splits, gp), jnp.float32),
+        ]
+    else:
+        out_specs = [pl.BlockSpec((None, None, gp, d), lambda s, i, x: (s, i, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((nseq, h, gp, d), q.dtype)]
+    kernel = functools.partial(
+        _decode_kernel, scale=scale, pages_per_split=pps, use_dot=use_dot, split=split
+    )
+    outs = pl.pallas_call(
+        kernel,
+        grid=(nseq, h, splits),
+        in_specs=[
+            pl.BlockSpec((None, None, gp, d), lambda s, i, x: (s, i, 0, 0)),
+            any_spec, any_spec, any_spec, any_spec,
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=compiler_params(num_warps=num_warps),
+        name=f"paged_decode_{variant}",
+    )(qg, k_pages, v_pages, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32))
+    o = combine_splits(*outs) if split else outs[0]
+    return o[:, :, :g].reshape(nseq, nq, d).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- reference
+def decode_reference(
+    q: Float[Array, "S Q D"],
+    k_pages: Float[Array, "H N K D"],
+    v_pages: Float[Array, "H N K D"],
+    block_tables: Int[Array, "S P"],
+    seq_lens: Int[Array, "S"],
+    *,
+    scale: float | None = None,
+) -> Float[Array, "S Q D"]:
+    """The ragged reference with one query per sequence."""
+    from paged_jax.attention import ragged_reference
+
+    nseq, _, d = q.shape
+    query_start = jnp.arange(nseq + 1, dtype=jnp.int32)
+    scale = d**-0.5 if scale is None else scale
+    return ragged_reference(
+        q, k_pages, v_pages, block_tables, seq_lens, query_start, max_q=1, scale=scale
+    )
+
+
+def random_decode_inputs(
+    key: Array, nseq: int, nq: int, h: int, d: int, block: int, pages: int, dtype: DType,
+    nan_free: bool = True,
+) -> tuple[Array, ...]:
+    """Random q/K/V, shuffled block tables, random lengths; free blocks NaN if nan_free."""
+    kq, kk, kv, kp, kl = jax.random.split(key, 5)
+    nblocks = nseq * pages + 1
+    q = jax.random.normal(kq, (nseq, nq, d), dtype)
+    k = jax.random.normal(kk, (h, nblocks, block, d), dtype)
+    v = jax.random.normal(kv, (h, nblocks, block, d), dtype)
+    tables = (jax.random.permutation(kp, nblocks - 1) + 1)[: nseq * pages].reshape(nseq, pages)
+    lens = jax.random.randint(kl, (nseq,), 1, pages * block + 1)
+    held = jnp.arange(pages)[None, :] < -(-lens[:, None] // block)
+    tables = jnp.where(held, tables, 0).astype(jnp.int32)
+    if nan_free:
+        used = jnp.zeros(nblocks, bool).at[tables].set(True).at[0].set(True)
+        slot = jnp.arange(block)
+        # Stale tail of each last block too: NaN everywhere a sequence may not look.
+        k, v = (jnp.where(used[None, :, None, None], x, jnp.nan).astype(dtype) for x in (k, v))
+        tail = jnp.zeros((nblocks, block), bool)
+        last = jnp.take_along_axis(tables, (-(-lens // block) - 1)[:, None], 1)[:, 0]
+        tail = tail.at[last].set(slot[None, :] >= (lens - (-(-lens // block) - 1) * block)[:, None])
+        k, v = (jnp.where(tail[None, :, :, None], jnp.nan, x).astype(dtype) for x in (k, v))
+    return q, k, v, tables, lens.astype(jnp.int32)
+
+
+def kv_bytes(seq_lens: Array, h: int, d: int, dtype: DType) -> int:
+    """Bytes of K and V a decode step must read: 2 * sum(len) * H * D * itemsize."""
+    return int(2 * int(jnp.sum(seq_lens)) * h * d * jnp.dtype(dtype).itemsize)
+
+
+def time_fn(fn, *args, iters: int = 3) -> float:
+    """Median seconds per call after one warm-up (compile) call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    """Validate every variant against the reference, then time them (bytes of KV / time)."""
+    on_gpu = not use_interpret()
+    key = jax.random.PRNGKey(0)
+    print(f"backend={jax.default_backend()} interpret={not on_gpu}")
+    print(f"{'variant':8} {'dtype':9} {'K':>3} {'D':>4} {'heads':>6} {'max_err':>9} "
+          f"{'ms':>9} {'GB/s':>8}")
+    nseq, pages = (64, 128) if on_gpu else (4, 8)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for d, (nq, h) in ((64, (9, 3)), (128, (32, 8))):
+            for block in (8, 16, 32):
+                args = random_decode_inputs(key, nseq, nq, h, d, block, pages, dtype)
+                ref = decode_reference(*args)
+                for variant in VARIANTS:
+                    if variant == "dot" and block < DOT_MIN:
+                        continue
+                    fn = functools.partial(decode_attention, variant=variant, num_splits=4)
+                    out = fn(*args)
+                    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
+                    tol = 1e-4 if dtype == jnp.float32 else 3e-2
+                    assert bool(jnp.all(jnp.isfinite(out))), (variant, dtype, block, d)
+                    assert err < tol, (variant, dtype, block, d, err)
+                    sec = time_fn(fn, *args)
+                    gbs = kv_bytes(args[4], h, d, dtype) / sec / 1e9
+                    print(f"{variant:8} {jnp.dtype(dtype).name:9} {block:3d} {d:4d} "
+                          f"{nq:2d}/{h:<3d} {err:9.2e} {sec * 1e3:9.3f} {gbs:8.3f}")
+    print("all decode variants match the reference")
+
+
+if __name__ == "__main__":
+    main()
