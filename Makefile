@@ -5,6 +5,8 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 # XLA:CPU: keep both cores busy, no thread oversubscription from torch in the same process.
 export XLA_PYTHON_CLIENT_PREALLOCATE := false
+# Compiled XLA programs persist across runs (tests, experiments): a rerun skips recompiling.
+export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/xla
 
 .PHONY: setup test lint run experiments notebooks gpu-check bench clean
 

@@ -2,8 +2,12 @@
 device-side modules imported during the tests, so a wrong shape fails loudly here."""
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Persist compiled programs between test runs (ignored by git); set before jax is imported.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "xla"))
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from jaxtyping import install_import_hook  # noqa: E402

@@ -1,0 +1,61 @@
+"""Every notebooks/*.ipynb runs top to bottom (so none can rot) and is committed without outputs.
+
+The notebooks run in a fresh "python3" kernel started from this interpreter (jupyter_client
+replaces the kernelspec's bare `python` with sys.executable; the test checks the kernel's
+sys.prefix), with notebooks/ as the working directory and a headless matplotlib backend (Agg).
+New notebooks are picked up by the glob.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+CELL_TIMEOUT_S = 300
+
+
+def _ids(paths: list[Path]) -> list[str]:
+    return [p.name for p in paths]
+
+
+def test_notebooks_exist() -> None:
+    assert NOTEBOOKS, f"no notebooks found in {NOTEBOOK_DIR}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_notebook_is_stripped(path: Path) -> None:
+    """Committed notebooks carry no outputs or execution counts (diffs stay readable)."""
+    nb = nbformat.read(path, as_version=4)
+    dirty = [
+        i for i, cell in enumerate(nb.cells)
+        if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None)
+    ]
+    assert not dirty, f"{path.name}: code cells {dirty} have outputs; strip them before committing"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_notebook_runs(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Executes every cell; a failing cell raises CellExecutionError naming it."""
+    monkeypatch.setenv("MPLBACKEND", "Agg")  # the kernel inherits this environment
+    nb = nbformat.read(path, as_version=4)
+    # sys.prefix, not sys.executable: a venv's python is a symlink to the system one.
+    probe = nbformat.v4.new_code_cell("import sys; print(sys.prefix)")
+    nb.cells.append(probe)
+    client = nbclient.NotebookClient(
+        nb,
+        kernel_name="python3",
+        timeout=CELL_TIMEOUT_S,
+        resources={"metadata": {"path": str(NOTEBOOK_DIR)}},
+    )
+    client.execute()
+    kernel_prefix = "".join(o.get("text", "") for o in probe.outputs).strip()
+    assert Path(kernel_prefix).resolve() == Path(sys.prefix).resolve(), (
+        f"{path.name} ran in the environment {kernel_prefix}, not in the test's {sys.prefix}"
+    )
