@@ -1,6 +1,9 @@
 """paged-jax: vLLM's PagedAttention as pure-functional JAX pytrees and Pallas kernels."""
 
 from paged_jax.config import CacheConfig
+from paged_jax.llm import LLM
+from paged_jax.outputs import CompletionOutput, RequestOutput
+from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 from paged_jax.kv_cache import KVCache, copy_blocks, init_kv_cache, write
 from paged_jax.page_table import (
     PageTable,
@@ -14,6 +17,7 @@ from paged_jax.page_table import (
 from paged_jax.pool import BlockPool, allocate, decref, incref, init_pool
 
 __all__ = [
+    "LLM", "BeamSearchParams", "CompletionOutput", "RequestOutput", "SamplingParams",
     "BlockPool", "CacheConfig", "KVCache", "PageTable", "add_sequence", "allocate",
     "copy_blocks", "decref", "fork", "incref", "init_kv_cache", "init_page_table", "init_pool",
     "release", "reserve_slots", "slot_mapping", "write",

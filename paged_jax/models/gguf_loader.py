@@ -1,0 +1,119 @@
+"""GGUF files (llama.cpp): metadata -> ModelConfig, tensors dequantized by `gguf.quants`.
+
+llama.cpp's converter permutes the rows of q/k weights of "llama"-architecture models so RoPE
+rotates adjacent pairs (2i, 2i+1); our RoPE rotates (i, i + D/2) like Hugging Face, so
+`unpermute` undoes it. Qwen2 GGUFs are not permuted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
+
+from paged_jax.models.config import ModelConfig
+from paged_jax.models.llama import Params
+from paged_jax.models.params import build_params
+from paged_jax.models.tokenizer import Tokenizer, tokenizer_from_gguf
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+_GGUF_LAYER = {
+    "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
+    "wo": "attn_output.weight", "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
+    "bo": "attn_output.bias", "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight",
+    "w_down": "ffn_down.weight", "attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight",
+}
+_GGUF_GLOBAL = {"embed": "token_embd.weight", "final_norm": "output_norm.weight",
+                "lm_head": "output.weight"}
+
+
+def gguf_name(canonical: str) -> str:
+    """GGUF tensor name of a canonical name ("3.wq" -> "blk.3.attn_q.weight")."""
+    if canonical in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[canonical]
+    layer, base = canonical.split(".", 1)
+    return f"blk.{layer}.{_GGUF_LAYER[base]}"
+
+
+def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """All key/value fields as Python values."""
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
+    """ModelConfig from GGUF metadata (and which tensors exist: output.weight, rope_freqs)."""
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {SUPPORTED_ARCHS}")
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    heads, width = key("attention.head_count"), key("embedding_length")
+    head_dim = key("attention.key_length") or key("rope.dimension_count") or width // heads
+    scaling = None
+    if "rope_freqs.weight" in tensors:  # llama.cpp bakes Llama-3 rope scaling into factors
+        factors = dequantize(tensors["rope_freqs.weight"]).ravel().tolist()
+        scaling = (("factors", tuple(factors)), ("rope_type", "freq_factors"))
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eot = meta.get("tokenizer.ggml.eot_token_id")
+    return ModelConfig(
+        vocab_size=key("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+        hidden_size=width, intermediate_size=key("feed_forward_length"),
+        num_layers=key("block_count"), num_heads=heads,
+        num_kv_heads=key("attention.head_count_kv", heads), head_dim=head_dim,
+        rope_theta=float(key("rope.freq_base", 10000.0)), rope_scaling=scaling,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        max_position_embeddings=key("context_length", 2048),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(i for i in dict.fromkeys((eos, eot)) if i is not None),
+    )
+
+
+def dequantize(t: Any) -> np.ndarray:
+    """One tensor as fp32 numpy in row-major [out, in] (ggml lists dims innermost first)."""
+    try:
+        x = gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError as e:
+        raise ValueError(f"tensor {t.name!r}: unsupported GGUF type {t.tensor_type.name}") from e
+    return np.asarray(x, np.float32).reshape(tuple(int(n) for n in reversed(t.shape)))
+
+
+def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp convert's `permute`: interleaved RoPE rows back to rotate-half."""
+    r = w.shape[0]
+    return w.reshape(n_heads, r // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(
+    path: Path, dtype: DTypeLike = jnp.float32
+) -> tuple[ModelConfig, Params, Tokenizer]:
+    """(config, params, tokenizer) from a GGUF file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    reader = gguf.GGUFReader(str(path))
+    meta = read_metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    config = config_from_gguf(meta, tensors)
+    permuted = meta["general.architecture"] != "qwen2"
+
+    def get(canonical: str) -> np.ndarray | None:
+        t = tensors.get(gguf_name(canonical))
+        if t is None:
+            return None
+        x = dequantize(t)
+        base = canonical.rsplit(".", 1)[-1]
+        if permuted and base in ("wq", "bq"):
+            x = unpermute(x, config.num_heads)
+        elif permuted and base in ("wk", "bk"):
+            x = unpermute(x, config.num_kv_heads)
+        return x
+
+    return config, build_params(config, get, dtype), tokenizer_from_gguf(meta)

@@ -1,0 +1,137 @@
+"""A minimal host-side greedy loop over the paged cache (tests, CLI, benchmarks; not the engine).
+
+Every step is one ragged batch: `reserve_slots` grows each sequence by its new tokens, the
+model writes their K/V at `slot_mapping` and attends through the block tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import page_table as pt
+from paged_jax import pool as pool_lib
+from paged_jax.config import CacheConfig
+from paged_jax.kv_cache import KVCache, init_kv_cache
+from paged_jax.models.config import ModelConfig
+from paged_jax.models.llama import Params, make_forward
+from paged_jax.types import Array, Int
+
+
+def _bucket(n: int) -> int:
+    """Next power of two >= n: few distinct shapes, few compiles."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclasses.dataclass
+class Runner:
+    """Paged state of S sequences plus the model; `step` feeds each sequence new tokens."""
+
+    config: ModelConfig
+    params: Params
+    cache_cfg: CacheConfig
+    backend: str = "reference"
+    shuffle_seed: int | None = None  # permute the free list: blocks handed out in random order
+
+    def __post_init__(self) -> None:
+        c, m = self.cache_cfg, self.config
+        self.pool = pool_lib.init_pool(c.num_blocks)
+        if self.shuffle_seed is not None:
+            perm = np.random.default_rng(self.shuffle_seed).permutation(c.num_blocks - 1) + 1
+            stack = jnp.asarray(np.concatenate([perm, [0]]), jnp.int32)
+            self.pool = dataclasses.replace(self.pool, free_stack=stack)
+        self.table = pt.init_page_table(c)
+        for s in range(c.max_seqs):
+            self.table = pt.add_sequence(self.table, s)
+        dtype = self.params["embed"].dtype
+        self.cache: KVCache = init_kv_cache(
+            m.num_layers, m.num_kv_heads, c.num_blocks, c.block_size, m.head_dim, dtype
+        )
+
+    def step(self, new_tokens: list[list[int]], all_logits: bool = False) -> np.ndarray:
+        """Appends `new_tokens[s]` to sequence s; returns fp32 logits [S, V] (or [T, V])."""
+        s_max = self.cache_cfg.max_seqs
+        if len(new_tokens) > s_max:
+            raise ValueError(f"{len(new_tokens)} sequences, runner has {s_max} slots")
+        num_new = np.zeros(s_max, np.int32)
+        num_new[: len(new_tokens)] = [len(t) for t in new_tokens]
+        t = int(num_new.sum())
+        width = t if all_logits else _bucket(t)  # padding tokens would get logits rows too
+        seq_ids = np.full(width, -1, np.int32)
+        seq_ids[:t] = np.repeat(np.arange(s_max), num_new)
+        tokens = np.zeros(width, np.int32)
+        tokens[:t] = np.concatenate([np.asarray(x, np.int64) for x in new_tokens])
+        self.pool, self.table, positions, slots, query_start, ok = _plan(
+            self.pool, self.table, jnp.asarray(num_new), jnp.asarray(seq_ids)
+        )
+        if not bool(ok):
+            raise RuntimeError("KV pool or page table too small for this step")
+        fwd = make_forward(self.config, _bucket(int(num_new.max())), self.backend, all_logits)
+        logits, self.cache = fwd(
+            self.params, self.cache, jnp.asarray(tokens), positions, slots,
+            self.table.block_tables, self.table.seq_lens, query_start,
+        )
+        return np.asarray(logits[:t] if all_logits else logits[: len(new_tokens)])
+
+
+@jax.jit
+def _plan(
+    pool: pool_lib.BlockPool, table: pt.PageTable, num_new: Int[Array, "S"],
+    seq_ids: Int[Array, "T"],
+) -> tuple:
+    """Grows the sequences, then the positions, cache slots and query offsets of the tokens."""
+    old_lens = table.seq_lens
+    pool, table, _, ok = pt.reserve_slots(pool, table, num_new)
+    query_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(num_new)])
+    sid = jnp.clip(seq_ids, 0)
+    positions = old_lens[sid] + jnp.arange(seq_ids.shape[0]) - query_start[sid]
+    positions = jnp.where(seq_ids >= 0, positions, 0).astype(jnp.int32)
+    slots = pt.slot_mapping(table, seq_ids, positions)
+    return pool, table, positions, slots, query_start.astype(jnp.int32), ok
+
+
+def greedy(
+    runner: Runner, prompts: list[list[int]], max_tokens: int, stop_ids: tuple[int, ...] = ()
+) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Batched greedy decoding: one prefill step, then one token per sequence per step.
+
+    Returns:
+      (generated ids per prompt, cut after the first stop id; logits [S, V] of every step).
+    """
+    logits = runner.step(prompts)
+    steps = [logits]
+    out = [[int(t)] for t in logits.argmax(-1)]
+    for _ in range(max_tokens - 1):
+        if stop_ids and all(any(t in stop_ids for t in o) for o in out):
+            break
+        logits = runner.step([[o[-1]] for o in out])
+        steps.append(logits)
+        for o, t in zip(out, logits.argmax(-1), strict=True):
+            o.append(int(t))
+    return [_cut(o, stop_ids) for o in out], steps
+
+
+def _cut(ids: list[int], stop_ids: tuple[int, ...]) -> list[int]:
+    for i, t in enumerate(ids):
+        if t in stop_ids:
+            return ids[: i + 1]
+    return ids
+
+
+def runner_for(
+    config: ModelConfig, params: Params, num_seqs: int, max_len: int, block_size: int = 16,
+    backend: str = "reference", shuffle_seed: int | None = None,
+) -> Runner:
+    """A Runner with just enough blocks for `num_seqs` sequences of `max_len` tokens."""
+    per_seq = -(-max_len // block_size)
+    cfg = CacheConfig(
+        num_blocks=num_seqs * per_seq + 1, block_size=block_size, max_seqs=num_seqs,
+        max_blocks_per_seq=per_seq,
+    )
+    return Runner(config, params, cfg, backend, shuffle_seed)
+
+
+__all__ = ["Runner", "greedy", "runner_for"]

@@ -1,0 +1,160 @@
+"""Tokenizer: a `tokenizers` BPE (from GGUF metadata or tokenizer.json) + a jinja chat template."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+# llama.cpp's pre-tokenizer names -> the split regex its vocabulary was trained with.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+           "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
+
+
+class Tokenizer:
+    """Text <-> token ids and chat formatting for one checkpoint."""
+
+    def __init__(
+        self, backend: HFTokenizer, *, bos_token_id: int | None, eos_token_ids: Sequence[int],
+        chat_template: str | None, add_bos: bool = False, eos_token_id: int | None = None,
+    ) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.chat_template = chat_template
+        self.add_bos = add_bos
+        # The tokenizer's own EOS (the chat template's `eos_token`); the config may list others.
+        self.eos_token_id = eos_token_id if eos_token_id is not None else (
+            self.eos_token_ids[0] if self.eos_token_ids else None)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special-token strings (e.g. <|im_start|>) map to their ids."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; special tokens dropped unless asked for."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token(self, i: int | None) -> str:
+        return "" if i is None else (self.backend.id_to_token(i) or "")
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """Renders `messages` with the checkpoint's jinja chat template (as transformers does)."""
+        if not self.chat_template:
+            raise ValueError("this checkpoint has no chat template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent)
+        env.globals["raise_exception"] = _raise
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.token(self.bos_token_id), eos_token=self.token(self.eos_token_id),
+        )
+
+
+def _raise(msg: str) -> None:
+    raise jinja2.TemplateError(msg)
+
+
+def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    """llama.cpp's `tokenizer.ggml.pre` as a `tokenizers` pre-tokenizer."""
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":  # llama.cpp: each digit alone, then the GPT-2 split
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre not in (None, "default", "gpt-2", "gpt2"):
+        warnings.warn(f"unknown GGUF pre-tokenizer {pre!r}; using GPT-2's split", stacklevel=3)
+    return byte_level
+
+
+def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
+    """Builds the tokenizer from GGUF `tokenizer.*` metadata (byte-level BPE only)."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE)")
+    tokens = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+    tok.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type") or [0] * len(tokens)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, k in zip(tokens, types, strict=True) if k == CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED])
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eot = meta.get("tokenizer.ggml.eot_token_id")
+    return Tokenizer(
+        tok, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[i for i in dict.fromkeys((eos, eot)) if i is not None],
+        chat_template=meta.get("tokenizer.chat_template"),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)), eos_token_id=eos,
+    )
+
+
+def _special_id(tok: HFTokenizer, spec: Any) -> int | None:
+    text = spec.get("content") if isinstance(spec, dict) else spec
+    return None if text is None else tok.token_to_id(text)
+
+
+def tokenizer_from_folder(folder: Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+    """tokenizer.json (+ tokenizer_config.json, chat_template.jinja) of a Hugging Face folder."""
+    folder = Path(folder)
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {folder}")
+    tok = HFTokenizer.from_file(str(path))
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    template = cfg.get("chat_template")
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    eos = _special_id(tok, cfg.get("eos_token"))
+    return Tokenizer(
+        tok, bos_token_id=_special_id(tok, cfg.get("bos_token")),
+        eos_token_ids=list(dict.fromkeys([*eos_token_ids, *([eos] if eos is not None else [])])),
+        chat_template=template if isinstance(template, str) else None,
+        add_bos=bool(cfg.get("add_bos_token", False)), eos_token_id=eos,
+    )
+
+
+def save_tokenizer(tok: Tokenizer, folder: Path) -> None:
+    """Writes tokenizer.json and our tokenizer_meta.json (ids, template) into `folder`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(tok.backend.to_str())
+    meta = dict(bos_token_id=tok.bos_token_id, eos_token_ids=list(tok.eos_token_ids),
+                chat_template=tok.chat_template, add_bos=tok.add_bos,
+                eos_token_id=tok.eos_token_id)
+    (folder / "tokenizer_meta.json").write_text(json.dumps(meta))
+
+
+def load_saved_tokenizer(folder: Path) -> Tokenizer:
+    """Inverse of `save_tokenizer`."""
+    folder = Path(folder)
+    meta = json.loads((folder / "tokenizer_meta.json").read_text())
+    return Tokenizer(HFTokenizer.from_file(str(folder / "tokenizer.json")), **meta)

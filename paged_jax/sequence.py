@@ -1,0 +1,87 @@
+"""Host-side bookkeeping of requests and their sequences (no device arrays here).
+
+A request owns n sequences (parallel sampling). Each sequence holds its tokens
+(prompt + generated) and how many of them already have K/V in the cache:
+
+    tokens:        [ p0 p1 p2 ... p(m-1) | o0 o1 ... o(k-1) ]
+    num_computed:  ---------------------------^               K/V cached for tokens[:num_computed]
+    the next step feeds tokens[num_computed : num_computed + chunk]; it samples a new token
+    when that chunk reaches the end of `tokens` (prefill done, or a decode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics
+from paged_jax.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted (recompute) / swapped out
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Sequence:
+    """One output stream of a request, living in page-table slot `slot` while admitted."""
+
+    index: int
+    tokens: list[int]
+    prompt_len: int
+    slot: int = -1
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    # True while the partly filled last block may be shared with a fork (copy-on-write).
+    maybe_shared_last: bool = False
+    swapped: object = None  # host copy of its K/V blocks while swapped out
+    logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    text: str = ""
+    committed_text: str = ""  # detokenized text of output_ids[:read_offset]
+    read_offset: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    owner: Request | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose K/V the next steps must compute."""
+        return len(self.tokens) - self.num_computed
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index, text=self.text, token_ids=list(self.output_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs or None, finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclasses.dataclass
+class Request:
+    """A submitted request: its prompt, parameters, sequences and timings."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    order: int  # admission counter: larger = admitted later (preempted first)
+    seqs: list[Sequence] = dataclasses.field(default_factory=list)
+    metrics: RequestMetrics | None = None
+    forked: bool = False  # children of an n > 1 request exist on the device
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is Status.FINISHED for s in self.seqs)
+
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if s.status is not Status.FINISHED]
