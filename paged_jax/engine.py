@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ from paged_jax.models import ModelConfig, Params, Tokenizer
 from paged_jax.outputs import RequestMetrics, RequestOutput
 from paged_jax.pool import init_pool
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.reservation import make_policy
 from paged_jax.scheduler import Plan, Scheduler, SchedulerConfig
 from paged_jax.sequence import Request, Sequence, Status
 from paged_jax.step import EngineState, StepConfig, decode_window, release_slots, run_step
@@ -82,6 +84,12 @@ class EngineConfig:
                            max_blocks_per_seq=-(-self.max_model_len // self.block_size))
 
 
+def _to_host(out) -> types.SimpleNamespace:
+    """One device -> host transfer of a step's outputs (numpy fields, same names)."""
+    host = jax.device_get({f.name: getattr(out, f.name) for f in dataclasses.fields(out)})
+    return types.SimpleNamespace(**host)
+
+
 @dataclasses.dataclass
 class StepStats:
     """One engine step, for experiments."""
@@ -115,7 +123,8 @@ class Engine:
         self.step_cfg = StepConfig(config, ec.backend or default_backend(), ec.max_logprobs)
         self.scheduler = Scheduler(
             SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.block_size),
-            ec.max_num_seqs)
+            ec.max_num_seqs, make_policy(ec.reservation, ec.block_size, cc.usable_blocks,
+                                         ec.max_model_len, ec.max_num_seqs))
         self.requests: dict[str, Request] = {}
         self.num_free = cc.usable_blocks
         self.slot_live = np.zeros(cc.max_seqs, bool)
@@ -180,8 +189,10 @@ class Engine:
 
     def _can_admit(self) -> bool:
         """Whether a waiting request could join now (then a window would delay it)."""
-        return bool(self.scheduler.waiting) and any(
-            r.seqs[0].slot >= 0 or self.scheduler.free_slots for r in self.scheduler.waiting)
+        sch = self.scheduler
+        return bool(sch.waiting) and any(
+            r.seqs[0].slot >= 0 or sch.free_slots for r in sch.waiting) and (
+            sch.policy.admits(sch.waiting[0], sch.running, sch.waiting))  # baselines may refuse
 
     def _admit(self, plan: Plan) -> None:
         now = time.time()
@@ -204,7 +215,7 @@ class Engine:
     def _run_step(self, plan: Plan) -> list[Request]:
         batch, shapes, forks = io.build_batch(plan, self.config)
         self.state, out = run_step(self.params, self.state, batch, cfg=self.step_cfg, **shapes)
-        out = jax.device_get(out)
+        out = _to_host(out)
         self.num_free = int(out.num_free)
         if not out.ok:  # the estimate missed (should not happen): free memory, retry later
             self._preempt(max(self.scheduler.running, key=lambda r: r.order))
@@ -236,7 +247,7 @@ class Engine:
         self.state, out = decode_window(self.params, self.state, jnp.asarray(tokens),
                                         jnp.asarray(active), cfg=self.step_cfg,
                                         window=self.config.decode_window)
-        out = jax.device_get(out)
+        out = _to_host(out)
         self.num_free = int(out.num_free)
         steps, finished = int(out.steps), []
         done = set()

@@ -22,7 +22,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.typing import DTypeLike
 
 from paged_jax import kv_cache as kv_lib
 from paged_jax.attention import paged_attention
@@ -179,27 +178,3 @@ def make_forward(
     )
     return jax.jit(fn, donate_argnums=(1,))
 
-
-def init_params(
-    config: ModelConfig, key: Array, dtype: DTypeLike = jnp.float32, scale: float = 0.3
-) -> Params:
-    """Random params (normal * scale, norms near 1) for dummy models in tests and benchmarks."""
-    e, f, d, n = config.hidden_size, config.intermediate_size, config.head_dim, config.num_layers
-    q, h = config.num_heads * d, config.num_kv_heads * d
-    shapes = {"wq": (n, e, q), "wk": (n, e, h), "wv": (n, e, h), "wo": (n, q, e),
-              "w_gate": (n, e, f), "w_up": (n, e, f), "w_down": (n, f, e),
-              "attn_norm": (n, e), "mlp_norm": (n, e)}
-    if config.attention_bias:
-        shapes |= {"bq": (n, q), "bk": (n, h), "bv": (n, h)}
-    top = {"embed": (config.vocab_size, e), "final_norm": (e,)}
-    if not config.tie_word_embeddings:
-        top["lm_head"] = (e, config.vocab_size)
-    keys = iter(jax.random.split(key, len(shapes) + len(top)))
-
-    def draw(name: str, shape: tuple[int, ...]) -> Array:
-        x = jax.random.normal(next(keys), shape) * scale
-        return (x + 1.0 if "norm" in name else x).astype(dtype)
-
-    params: Params = {k: draw(k, s) for k, s in top.items()}
-    params["layers"] = {k: draw(k, s) for k, s in shapes.items()}
-    return params

@@ -1,0 +1,52 @@
+"""Shared tiny-model engine setup for engine tests (one config => compiled shapes reused)."""
+
+from __future__ import annotations
+
+import functools
+
+from paged_jax.engine import Engine, EngineConfig
+from paged_jax.invariants import check_invariants
+from paged_jax.models.testing import byte_tokenizer, random_params, tiny_config
+from paged_jax.sampling_params import SamplingParams
+
+BASE = dict(block_size=8, num_kv_blocks=160, max_num_seqs=8, max_num_batched_tokens=64,
+            max_model_len=256, decode_window=8, max_logprobs=4)
+
+
+@functools.cache
+def model():
+    c = tiny_config()
+    return c, random_params(c), byte_tokenizer()
+
+
+def engine(**overrides) -> Engine:
+    return Engine(*model(), EngineConfig(**{**BASE, **overrides}))
+
+
+def prompts(n: int) -> list[str]:
+    return [f"request {i}: " + "lorem ipsum " * (i % 7) for i in range(n)]
+
+
+def run(eng: Engine, reqs, check=False) -> dict:
+    """Adds (id, prompt, params) requests and steps until done; returns id -> RequestOutput."""
+    for rid, p, sp in reqs:
+        eng.add_request(rid, p, sp)
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        if check:
+            check_invariants(eng.state.pool, eng.state.table)
+    return done
+
+
+def tokens(outs: dict, rid: str) -> list[list[int]]:
+    return [c.token_ids for c in outs[rid].outputs]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def all_free(eng: Engine) -> bool:
+    return int(eng.state.pool.num_free) == eng.config.num_kv_blocks - 1

@@ -1,0 +1,143 @@
+"""Engine: batched == one-at-a-time, seeds, preemption, no leaks, no recompiles, stops."""
+
+import numpy as np
+import pytest
+
+from paged_jax import step as step_lib
+from paged_jax.sampling_params import SamplingParams
+from tests.engine_helpers import GREEDY, all_free, engine, prompts, run, tokens
+
+
+@pytest.fixture(scope="module")
+def batched_greedy():
+    eng = engine()
+    outs = run(eng, [(str(i), p, GREEDY) for i, p in enumerate(prompts(32))], check=True)
+    assert all_free(eng)
+    return outs
+
+
+def test_batched_equals_one_at_a_time(batched_greedy):
+    eng = engine()
+    for i, p in enumerate(prompts(32)):
+        single = run(eng, [(f"s{i}", p, GREEDY)])
+        assert tokens(single, f"s{i}") == tokens(batched_greedy, str(i)), f"prompt {i}"
+    assert all_free(eng)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_forced_preemption_loses_nothing(batched_greedy, mode):
+    eng = engine(num_kv_blocks=20, preemption_mode=mode)
+    outs = run(eng, [(str(i), p, GREEDY) for i, p in enumerate(prompts(32))], check=True)
+    assert sum(s.preempted for s in eng.stats) > 0, "the tiny cache should force preemption"
+    for i in range(32):
+        assert tokens(outs, str(i)) == tokens(batched_greedy, str(i)), f"prompt {i}"
+    assert all_free(eng)
+
+
+def test_seeded_sampling_independent_of_batch():
+    sp = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=16,
+                        ignore_eos=True)
+    target = "the same request"
+    alone = tokens(run(engine(), [("x", target, sp)]), "x")
+    others = [(str(i), p, SamplingParams(temperature=1.0, seed=i, max_tokens=9))
+              for i, p in enumerate(prompts(6))]
+    mixed = run(engine(decode_window=1), others[:3] + [("x", target, sp)] + others[3:])
+    assert tokens(mixed, "x") == alone
+    assert tokens(run(engine(), [("x", target, sp)]), "x") == alone  # and across runs
+
+
+def test_parallel_sampling_shares_prompt_blocks():
+    prompt = "a shared prompt that spans several blocks of the cache " * 2
+    sp = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=4, ignore_eos=True)
+    eng = engine()
+    eng.add_request("p", prompt, sp)
+    peak = 0
+    while eng.has_unfinished():
+        outs = eng.step()
+        peak = max(peak, eng.config.num_kv_blocks - 1 - int(eng.state.pool.num_free))
+    n_prompt = len(eng.tokenizer.encode(prompt))
+    independent = 4 * -(-(n_prompt + 4) // 8)
+    assert peak < independent / 2, (peak, independent)
+    out = outs[0]
+    assert len(out.outputs) == 4 and len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert all_free(eng)
+
+
+def test_abort_frees_everything():
+    eng = engine()
+    for i, p in enumerate(prompts(6)):
+        eng.add_request(str(i), p, GREEDY)
+    eng.step()
+    eng.step()
+    for i in range(0, 6, 2):
+        eng.abort(str(i))
+    done = run(eng, [])
+    assert sorted(done) == ["1", "3", "5"]
+    assert all_free(eng)
+
+
+def test_no_recompilation_after_warmup():
+    reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(12))]
+    run(engine(), reqs)  # warm-up: compiles every bucket this workload uses
+    sizes = (step_lib.run_step._cache_size(), step_lib.decode_window._cache_size())
+    run(engine(), [(f"b{i}", p, sp) for i, p, sp in reqs])
+    assert (step_lib.run_step._cache_size(), step_lib.decode_window._cache_size()) == sizes
+
+
+def test_stop_strings_tokens_min_tokens_and_logprobs(batched_greedy):
+    ref = tokens(batched_greedy, "3")[0]
+    eng = engine()
+    text = eng.tokenizer.decode(ref)
+    stop_str = text[5:8]
+    outs = run(eng, [
+        ("stop_id", prompts(32)[3], SamplingParams(temperature=0, max_tokens=24,
+                                                    stop_token_ids=[ref[4]])),
+        ("stop_str", prompts(32)[3], SamplingParams(temperature=0, max_tokens=24,
+                                                     stop=[stop_str])),
+        ("lp", prompts(32)[3], SamplingParams(temperature=0, max_tokens=3, logprobs=2)),
+    ])
+    c = outs["stop_id"].outputs[0]
+    assert c.token_ids == ref[:5] and c.finish_reason == "stop" and c.stop_reason == ref[4]
+    c = outs["stop_str"].outputs[0]
+    assert c.text == text[: text.find(stop_str)] and c.stop_reason == stop_str
+    c = outs["lp"].outputs[0]
+    assert len(c.logprobs) == 3 and all(tok in d for tok, d in zip(c.token_ids, c.logprobs))
+    assert np.isclose(sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)),
+                      c.cumulative_logprob, atol=1e-4)
+
+
+def test_min_tokens_holds_back_a_stop_token():
+    eng = engine()
+    # stop_token_ids=[x] with x the greedy first token would end after one token.
+    first = tokens(run(eng, [("a", "eos test", GREEDY)]), "a")[0][0]
+    outs = run(eng, [("b", "eos test", SamplingParams(temperature=0, max_tokens=8,
+                                                      stop_token_ids=[first], min_tokens=3))])
+    c = outs["b"].outputs[0]
+    assert len(c.token_ids) >= 3  # min_tokens holds the stop back
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("x" * 300, "max_model_len"),
+    ("", "empty"),
+    ({"foo": 1}, "prompt_token_ids"),
+    ([1, -2], "non-negative"),
+])
+def test_bad_prompts_are_rejected_clearly(bad, match):
+    eng = engine()
+    with pytest.raises(ValueError, match=match):
+        eng.add_request("bad", bad, SamplingParams(max_tokens=8))
+    assert not eng.has_unfinished()
+
+
+def test_request_larger_than_cache_is_rejected():
+    eng = engine(num_kv_blocks=10)
+    with pytest.raises(ValueError, match="KV blocks"):
+        eng.add_request("big", "y" * 40, SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="logprobs"):
+        eng.add_request("lp", "y", SamplingParams(max_tokens=2, logprobs=10))
+
+
+def test_decode_window_matches_single_steps(batched_greedy):
+    outs = run(engine(decode_window=1), [(str(i), p, GREEDY) for i, p in enumerate(prompts(8))])
+    for i in range(8):
+        assert tokens(outs, str(i)) == tokens(batched_greedy, str(i))
