@@ -1,10 +1,9 @@
 """paged-jax: vLLM's PagedAttention as pure-functional JAX pytrees and Pallas kernels."""
 
 from paged_jax.config import CacheConfig
+from paged_jax.kv_cache import KVCache, copy_blocks, init_kv_cache, write
 from paged_jax.llm import LLM
 from paged_jax.outputs import CompletionOutput, RequestOutput
-from paged_jax.sampling_params import BeamSearchParams, SamplingParams
-from paged_jax.kv_cache import KVCache, copy_blocks, init_kv_cache, write
 from paged_jax.page_table import (
     PageTable,
     add_sequence,
@@ -15,6 +14,7 @@ from paged_jax.page_table import (
     slot_mapping,
 )
 from paged_jax.pool import BlockPool, allocate, decref, incref, init_pool
+from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 
 __all__ = [
     "LLM", "BeamSearchParams", "CompletionOutput", "RequestOutput", "SamplingParams",

@@ -28,8 +28,8 @@ from paged_jax.kv_cache import init_kv_cache
 from paged_jax.models import ModelConfig, Params, Tokenizer
 from paged_jax.outputs import RequestMetrics, RequestOutput
 from paged_jax.pool import init_pool
-from paged_jax.sampling_params import SamplingParams
 from paged_jax.reservation import make_policy
+from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import Plan, Scheduler, SchedulerConfig
 from paged_jax.sequence import Request, Sequence, Status
 from paged_jax.step import EngineState, StepConfig, decode_window, release_slots, run_step

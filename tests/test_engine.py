@@ -101,9 +101,9 @@ def test_stop_strings_tokens_min_tokens_and_logprobs(batched_greedy):
     c = outs["stop_str"].outputs[0]
     assert c.text == text[: text.find(stop_str)] and c.stop_reason == stop_str
     c = outs["lp"].outputs[0]
-    assert len(c.logprobs) == 3 and all(tok in d for tok, d in zip(c.token_ids, c.logprobs))
-    assert np.isclose(sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)),
-                      c.cumulative_logprob, atol=1e-4)
+    pairs = list(zip(c.token_ids, c.logprobs, strict=True))
+    assert len(pairs) == 3 and all(tok in d for tok, d in pairs)
+    assert np.isclose(sum(d[t].logprob for t, d in pairs), c.cumulative_logprob, atol=1e-4)
 
 
 def test_min_tokens_holds_back_a_stop_token():

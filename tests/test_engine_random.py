@@ -25,7 +25,7 @@ def test_random_mixes_keep_invariants_and_finish(reqs, tight):
     pending = {str(i): r for i, r in enumerate(reqs)}
     finished, aborted, t = set(), set(), 0
     while pending or eng.has_unfinished():
-        for rid, (plen, mt, temp, n, arrive, abort) in list(pending.items()):
+        for rid, (plen, mt, temp, n, arrive, _) in list(pending.items()):
             if arrive <= t:
                 n = 1 if temp == 0.0 else n
                 eng.add_request(rid, "z" * plen, SamplingParams(
