@@ -13,11 +13,12 @@ from collections.abc import Sequence as Seq
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
+from paged_jax.beam_search import beam_search
 from paged_jax.engine import Engine, EngineConfig
 from paged_jax.kv_cache import kv_cache_bytes
 from paged_jax.models import load_model
-from paged_jax.outputs import RequestOutput
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.outputs import BeamSearchOutput, RequestOutput
+from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "auto": jnp.float32}
 
@@ -118,6 +119,27 @@ class LLM:
         prompts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
                    for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(
+        self, prompts: Seq, params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """Beam search per prompt; beams share KV blocks through forks (see beam_search.py).
+
+        Args:
+          prompts: prompts as in `generate` (str, {"prompt": ...}, {"prompt_token_ids": ...}).
+          params: BeamSearchParams(beam_width, max_tokens, ...).
+
+        Returns:
+          One BeamSearchOutput per prompt, its `sequences` best first.
+        """
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        outs = []
+        for p in tqdm(list(prompts), disable=not use_tqdm, desc="Beam search"):
+            out, peak = beam_search(self.llm_engine, p, params)
+            self.last_beam_peak_blocks = peak
+            outs.append(out)
+        return outs
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -1,0 +1,170 @@
+"""Beam search on the engine's device state: beams are sequences that fork and free blocks.
+
+    prompt prefill (one slot) -> top 2W next tokens
+    each step: keep the W best (beam, token) candidates by cumulative logprob;
+      a beam chosen k times is forked k-1 times (its blocks shared, refcount + k-1);
+      a beam not chosen is released; the chosen tokens are decoded (one forced-token step)
+      and give the next top 2W per beam. Copy-on-write splits a shared last block on write.
+
+The host drives the loop (a beam decision needs every beam's candidates); each step's device
+work is the same jitted `run_step` the engine uses, with `num_top_logprobs = 2W`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import engine_io as io
+from paged_jax import page_table as pt
+from paged_jax.engine import Engine, _to_host
+from paged_jax.outputs import BeamSearchOutput, BeamSearchSequence
+from paged_jax.sampling_params import BeamSearchParams, SamplingParams
+from paged_jax.scheduler import Plan
+from paged_jax.sequence import Request, Sequence
+from paged_jax.step import decode_batch, release_slots, run_step
+
+_fork = jax.jit(pt.fork, donate_argnums=(0, 1))
+_add = jax.jit(pt.add_sequence, donate_argnums=(0,))
+
+
+@dataclasses.dataclass
+class _Beam:
+    slot: int
+    tokens: list[int]
+    cum: float = 0.0
+
+
+def beam_search(engine: Engine, prompt, params: BeamSearchParams) -> tuple[BeamSearchOutput, int]:
+    """Beam search for one prompt on an idle engine.
+
+    Returns:
+      (the best `beam_width` beams, best first; the peak number of KV blocks in use).
+    """
+    if engine.has_unfinished():
+        raise RuntimeError("beam_search needs an idle engine")
+    w = params.beam_width
+    text, ids = io.prompt_ids(prompt, engine.tokenizer)
+    io.check_fits(SamplingParams(n=w, max_tokens=params.max_tokens, temperature=1.0), len(ids),
+                  engine.config, engine.model_config)
+    k = min(2 * w, engine.model_config.vocab_size)
+    cfg = dataclasses.replace(engine.step_cfg, num_top_logprobs=k)
+    free = engine.scheduler.free_slots
+    slots = [free.pop() for _ in range(w)]
+    try:
+        return _search(engine, cfg, ids, slots, params)
+    finally:
+        _release(engine, slots)
+        free.extend(reversed(slots))
+
+
+def _search(engine, cfg, ids, slots, params) -> tuple[BeamSearchOutput, int]:
+    w, eos = params.beam_width, set(engine.model_config.eos_token_ids)
+    top = _prefill(engine, cfg, ids, slots[0])
+    beams, done, peak = [_Beam(slots[0], [])], [], 0
+    for step in range(params.max_tokens):
+        cands = sorted(((b.cum + lp, b, t) for b in beams for t, lp in top[b.slot]),
+                       key=lambda c: -c[0])
+        chosen = []
+        for score, b, t in cands:
+            if t in eos and not params.ignore_eos:
+                done.append(_Beam(-1, b.tokens + [t], score))
+            else:
+                chosen.append((score, b, t))
+            if len(chosen) == w:
+                break
+        if not chosen or step == params.max_tokens - 1:
+            done += [_Beam(-1, b.tokens + [t], s) for s, b, t in chosen]
+            break
+        beams = _regroup(engine, chosen, slots)
+        peak = max(peak, engine.config.num_kv_blocks - 1 - int(engine.state.pool.num_free))
+        top = _decode(engine, cfg, beams)
+    return _output(engine, ids, done, params), peak
+
+
+def _prefill(engine, cfg, ids, slot) -> dict[int, list[tuple[int, float]]]:
+    """Computes the prompt in slot `slot` (chunked); returns its top 2W next tokens."""
+    engine.state = dataclasses.replace(engine.state, table=_add(engine.state.table, slot))
+    req = Request("beam", None, ids, SamplingParams(temperature=0.0), 0.0, order=0)
+    seq = Sequence(0, list(ids), len(ids), slot=slot, owner=req)
+    out = None
+    while seq.num_pending > 0:
+        n = min(seq.num_pending, engine.config.max_num_batched_tokens)
+        batch, shapes, _ = io.build_batch(Plan(chunks=[(seq, n)]), engine.config)
+        engine.state, o = run_step(engine.params, engine.state, batch, cfg=cfg, **shapes)
+        out = _to_host(o)
+        seq.num_computed += n
+    return {slot: list(zip(out.top_ids[slot].tolist(), out.top_logprobs[slot].tolist(),
+                           strict=True))}
+
+
+def _regroup(engine, chosen, slots) -> list[_Beam]:
+    """Forks beams chosen several times, releases beams not chosen; one slot per new beam."""
+    parents = {b.slot for _, b, _ in chosen}
+    keep = {}
+    free = [s for s in slots if s not in parents]
+    src, dst, beams = [], [], []
+    for score, b, t in chosen:
+        if b.slot not in keep:
+            keep[b.slot] = True
+            beams.append(_Beam(b.slot, b.tokens + [t], score))
+        else:
+            s = free.pop()
+            src.append(b.slot)
+            dst.append(s)
+            beams.append(_Beam(s, b.tokens + [t], score))
+    _release(engine, [s for s in slots if s not in keep])  # fork targets must be empty
+    if src:
+        pad = engine.config.max_num_seqs
+        fs = np.full(pad, -1, np.int32)
+        fd = np.zeros(pad, np.int32)
+        fs[: len(src)], fd[: len(dst)] = src, dst
+        pool, table = _fork(engine.state.pool, engine.state.table, jnp.asarray(fs),
+                            jnp.asarray(fd))
+        engine.state = dataclasses.replace(engine.state, pool=pool, table=table)
+    return beams
+
+
+def _decode(engine, cfg, beams) -> dict[int, list[tuple[int, float]]]:
+    """Feeds each beam's newest token (a forced decode step); returns each beam's top 2W."""
+    s = engine.config.max_num_seqs
+    tokens, active = np.zeros(s, np.int32), np.zeros(s, bool)
+    for b in beams:
+        tokens[b.slot], active[b.slot] = b.tokens[-1], True
+    batch = decode_batch(jnp.asarray(tokens), jnp.asarray(active), engine.state.table.seq_lens)
+    engine.state, o = run_step(engine.params, engine.state, batch, cfg=cfg, max_q=1,
+                               max_q_rows=None, max_new_blocks=2)
+    out = _to_host(o)
+    if not out.ok:
+        raise RuntimeError("KV cache exhausted during beam search")
+    return {b.slot: list(zip(out.top_ids[b.slot].tolist(), out.top_logprobs[b.slot].tolist(),
+                             strict=True)) for b in beams}
+
+
+def _release(engine, slots) -> None:
+    mask = np.zeros(engine.config.max_num_seqs, bool)
+    mask[[s for s in slots if s >= 0]] = True
+    live = np.asarray(engine.state.table.live)
+    mask &= live
+    if mask.any():
+        pool, table = release_slots(engine.state.pool, engine.state.table, jnp.asarray(mask))
+        engine.state = dataclasses.replace(engine.state, pool=pool, table=table)
+        engine.num_free = int(pool.num_free)
+
+
+def _output(engine, ids, done, params) -> BeamSearchOutput:
+    def score(b: _Beam) -> float:
+        n = len(ids) + len(b.tokens)
+        n -= int(b.tokens[-1:] and b.tokens[-1] in engine.model_config.eos_token_ids)
+        return b.cum / max(n, 1) ** params.length_penalty
+
+    best = sorted(done, key=score, reverse=True)[: params.beam_width]
+    return BeamSearchOutput([
+        BeamSearchSequence(tokens=list(ids) + b.tokens, cum_logprob=b.cum,
+                           text=engine.tokenizer.decode(b.tokens),
+                           finish_reason="stop" if b.tokens and b.tokens[-1] in
+                           engine.model_config.eos_token_ids else "length")
+        for b in best])
