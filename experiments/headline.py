@@ -1,10 +1,58 @@
-"""`make run`: the headline experiment (placeholder until the experiments issue lands).
+"""`make run`: the paper's headline results, condensed to a few minutes on 2 CPU cores.
 
-For now it runs the allocator benchmark: allocate / free / fork for 256 sequences inside one
-jitted loop against a Python free list, and saves results/bench_allocator.json.
+    python -m experiments.headline [--full]
+
+1. KV memory breakdown (paper Fig. 2) on a ShareGPT-like burst, tiny model.
+2. One latency-vs-rate panel (paper Fig. 12), ShareGPT-like, tiny model.
+3. paged-jax vs Hugging Face transformers on SmolLM2-135M (small batch, fp32).
+Each writes results/<name>.json and .png; a summary table is printed at the end.
 """
 
-from experiments import bench_allocator
+from __future__ import annotations
+
+import argparse
+import time
+
+from tqdm.auto import tqdm
+
+from experiments import latency_vs_rate, memory_breakdown, peers
+from experiments.common import table
+
+
+def main(full: bool = False) -> dict:
+    t0 = time.perf_counter()
+    bar = tqdm(desc="headline (engine steps)", unit="step", dynamic_ncols=True)
+    mem = memory_breakdown.main(requests=48 if full else 32, name="headline_memory",
+                                progress=bar.update)
+    lat = latency_vs_rate.main(requests=48 if full else 32, real_requests=0,
+                               datasets=("sharegpt",), name="headline_latency",
+                               progress=bar.update)
+    peer = peers.main(prompts=16 if full else 8, tokens=64 if full else 32,
+                      dtypes=("float32",), batch=8, name="headline_peers", progress=bar.update)
+    bar.close()
+    summary(mem, lat, peer, time.perf_counter() - t0)
+    return dict(memory=mem, latency=lat, peers=peer)
+
+
+def summary(mem: dict, lat: dict, peer: dict, seconds: float) -> None:
+    sus = lat["panels"][0]["sustainable"]
+    rows = [dict(policy=r["policy"], token_states=f"{100 * r['token_states']:.1f}%",
+                 paper=f"{100 * r['paper_token_states']:.1f}%",
+                 mean_batch=r["mean_running"],
+                 max_rate=sus["rate"].get(r["policy"], float("nan")),
+                 vllm_rate_ratio=sus["paged_over_policy"].get(r["policy"], float("nan")))
+            for r in mem["rows"]]
+    print("\n== paged-jax vs the vLLM paper (tiny model, ShareGPT-like) ==")
+    print(table(rows, ["policy", "token_states", "paper", "mean_batch", "max_rate",
+                       "vllm_rate_ratio"]))
+    p = peer["rows"][0]
+    print(f"\nSmolLM2-135M {p['dtype']}: paged-jax {p['paged_jax_tok_s']:.1f} tok/s, "
+          f"HF generate {p['hf_tok_s']:.1f} tok/s (x{p['ratio']:.2f}); "
+          f"roofline {p['achieved_GBps']:.2f} of {p['machine_GBps']:.1f} GB/s")
+    print(f"\nplots: {mem['png']}, {lat['png']}, {peer['png']}   ({seconds:.0f} s)")
+
 
 if __name__ == "__main__":
-    bench_allocator.main()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--full", action="store_true")
+    main(**vars(ap.parse_args()))

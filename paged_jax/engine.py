@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import engine_io as io
+from paged_jax import engine_prefix as epc
 from paged_jax import page_table as pt
 from paged_jax import sampling as smp
 from paged_jax.attention import default_backend
@@ -28,6 +29,7 @@ from paged_jax.kv_cache import init_kv_cache
 from paged_jax.models import ModelConfig, Params, Tokenizer
 from paged_jax.outputs import RequestMetrics, RequestOutput
 from paged_jax.pool import init_pool
+from paged_jax.prefix_cache import PrefixCache
 from paged_jax.reservation import make_policy
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import Plan, Scheduler, SchedulerConfig
@@ -52,6 +54,9 @@ class EngineConfig:
       seed: engine seed, used for requests without their own.
       reservation: KV reservation policy: "paged" (on demand, ours), or the baselines
         "static", "orca-max", "orca-pow2", "orca-oracle" (see scheduler.py).
+      enable_prefix_caching: reuse cached full blocks across requests (prefix_cache.py).
+      admission: "fcfs", or "cache-aware" (longest cached prefix first; needs caching).
+      max_skips: cache-aware admission passes a request over at most this many times.
     """
 
     block_size: int = 16
@@ -65,8 +70,13 @@ class EngineConfig:
     max_logprobs: int = 0
     seed: int = 0
     reservation: str = "paged"
+    enable_prefix_caching: bool = True
+    admission: str = "fcfs"
+    max_skips: int = 8
 
     def __post_init__(self) -> None:
+        if self.admission not in ("fcfs", "cache-aware"):
+            raise ValueError(f"admission must be 'fcfs' or 'cache-aware', got {self.admission!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', "
                              f"got {self.preemption_mode!r}")
@@ -103,6 +113,7 @@ class StepStats:
     waiting: int
     blocks_used: int
     preempted: int
+    device: float = 0.0  # seconds inside the jitted call + the one device -> host transfer
 
 
 class Engine:
@@ -120,18 +131,25 @@ class Engine:
                                 cc.block_size, config.head_dim, dtype),
             sampling=smp.init_sampling_state(cc.max_seqs, config.vocab_size),
         )
+        # Commit the state to the device now: jit keys on placement, so uncommitted initial
+        # arrays would make the second step compile everything again.
+        self.state = jax.device_put(self.state, jax.devices()[0])
         self.step_cfg = StepConfig(config, ec.backend or default_backend(), ec.max_logprobs)
         self.scheduler = Scheduler(
-            SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.block_size),
+            SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.block_size,
+                            ec.admission, ec.max_skips),
             ec.max_num_seqs, make_policy(ec.reservation, ec.block_size, cc.usable_blocks,
                                          ec.max_model_len, ec.max_num_seqs))
+        self.prefix = PrefixCache(ec.block_size) if ec.enable_prefix_caching else None
+        self.scheduler.prefix = self.prefix
         self.requests: dict[str, Request] = {}
-        self.num_free = cc.usable_blocks
+        self.num_free = cc.usable_blocks  # the device free stack (cached-free not included)
         self.slot_live = np.zeros(cc.max_seqs, bool)
         self.stats: list[StepStats] = []
         self._orders = itertools.count()
         self._arrivals = itertools.count()
         self._preempted_now = 0
+        self._device_time = 0.0
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -170,12 +188,17 @@ class Engine:
         """Runs one scheduled step (or decode window); returns outputs of touched requests."""
         t0 = time.perf_counter()
         self._preempted_now = 0
-        plan = self.scheduler.schedule(self.num_free, self._preempt, lambda: next(self._orders))
+        plan = self.scheduler.schedule(epc.free_total(self), self._preempt,
+                                       lambda: next(self._orders))
         if not plan.chunks:
             self._record(t0, "idle", 0, 0)
             return []
+        epc.make_room(self, plan)  # before swap-ins, which allocate from the free stack
         self._admit(plan)
-        if plan.decode_only and self.config.decode_window > 1 and not self._can_admit():
+        # A one-token prompt of an n > 1 request looks like a decode but must fork: ragged step.
+        forks = any(s.owner.params.n > 1 and not s.owner.forked for s, _ in plan.chunks)
+        if plan.decode_only and self.config.decode_window > 1 and not self._can_admit() \
+                and not forks:
             touched, steps = self._run_window(plan)
             self._record(t0, "window", steps * len(plan.chunks), steps)
         else:
@@ -211,11 +234,15 @@ class Engine:
                 self.slot_live[seq.slot] = True
                 if seq.swapped is not None:
                     self.state, self.num_free = io.swap_in(self.state, seq)
+                if seq.prefix_hit is not None:
+                    epc.attach(self, seq)
 
     def _run_step(self, plan: Plan) -> list[Request]:
         batch, shapes, forks = io.build_batch(plan, self.config)
+        t0 = time.perf_counter()
         self.state, out = run_step(self.params, self.state, batch, cfg=self.step_cfg, **shapes)
         out = _to_host(out)
+        self._device_time = time.perf_counter() - t0
         self.num_free = int(out.num_free)
         if not out.ok:  # the estimate missed (should not happen): free memory, retry later
             self._preempt(max(self.scheduler.running, key=lambda r: r.order))
@@ -223,6 +250,7 @@ class Engine:
         touched = []
         for seq, n in plan.chunks:
             seq.num_computed += n
+        epc.register(self, [(s, s.num_computed - n) for s, n in plan.chunks])
         for parent, children in forks:
             shared = parent.num_computed % self.config.block_size != 0
             parent.maybe_shared_last = shared
@@ -244,19 +272,25 @@ class Engine:
         tokens, active = np.zeros(s, np.int32), np.zeros(s, bool)
         for seq, _ in plan.chunks:
             tokens[seq.slot], active[seq.slot] = seq.tokens[-1], True
+        w = self.config.decode_window
+        longest = max(seq.num_computed for seq, _ in plan.chunks) + w
+        t0 = time.perf_counter()
         self.state, out = decode_window(self.params, self.state, jnp.asarray(tokens),
-                                        jnp.asarray(active), cfg=self.step_cfg,
-                                        window=self.config.decode_window)
+                                        jnp.asarray(active), cfg=self.step_cfg, window=w,
+                                        max_pages=io.page_bucket(longest, self.config))
         out = _to_host(out)
+        self._device_time = time.perf_counter() - t0
         self.num_free = int(out.num_free)
         steps, finished = int(out.steps), []
         done = set()
+        before = [(seq, seq.num_computed) for seq, _ in plan.chunks]
         for i in range(steps):
             for seq, _ in plan.chunks:
                 if out.valid[i, seq.slot] and id(seq) not in done:
                     seq.num_computed += 1
                     if self._append(seq, out, i, finished):
                         done.add(id(seq))
+        epc.register(self, before)
         touched = self._finish(finished)
         touched += [r for r in self._reqs_of([s for s, _ in plan.chunks]) if r not in touched]
         return touched, steps
@@ -316,9 +350,11 @@ class Engine:
                 mask[s.slot] = True
                 self.slot_live[s.slot] = False
         if mask.any():
+            order = epc.release_order(self, [s for s in seqs if s.slot >= 0 and mask[s.slot]])
             pool, table = release_slots(self.state.pool, self.state.table, jnp.asarray(mask))
             self.state = dataclasses.replace(self.state, pool=pool, table=table)
             self.num_free = int(pool.num_free)
+            epc.after_release(self, order)  # cached blocks stay, off the free stack
 
     def _preempt(self, req: Request) -> int:
         """Frees a running request's blocks (swapping them out first in swap mode)."""
@@ -334,7 +370,7 @@ class Engine:
                 s.num_computed = 0
         self.scheduler.requeue_front(req)
         self._preempted_now += 1
-        return self.num_free
+        return epc.free_total(self)
 
     @staticmethod
     def _req_of(seq: Sequence) -> Request:
@@ -358,5 +394,6 @@ class Engine:
             time=time.time(), duration=time.perf_counter() - t0, kind=kind, num_tokens=tokens,
             num_steps=steps, running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
-            blocks_used=self.config.num_kv_blocks - 1 - self.num_free,
-            preempted=self._preempted_now))
+            blocks_used=self.config.num_kv_blocks - 1 - epc.free_total(self),  # cached-free: free
+            preempted=self._preempted_now, device=self._device_time))
+        self._device_time = 0.0

@@ -28,6 +28,12 @@ def pow2(n: int, lo: int = 1) -> int:
     return 1 << (max(n, lo) - 1).bit_length()
 
 
+def page_bucket(num_tokens: int, ec) -> int:
+    """Static page count covering `num_tokens` tokens: a power of two, at most P."""
+    p = -(-ec.max_model_len // ec.block_size)
+    return min(pow2(-(-num_tokens // ec.block_size), max(4, p // 4)), p)
+
+
 # ---- admission checks ------------------------------------------------------------------------
 def prompt_ids(prompt: str | list[int] | dict, tok: Tokenizer) -> tuple[str | None, list[int]]:
     """(text, token ids) of a prompt given as text, token ids, or vLLM's dict forms."""
@@ -87,9 +93,10 @@ def build_batch(plan: Plan, ec) -> tuple[StepBatch, dict, list]:
     total = sum(n for _, n in chunks)
     num_long = sum(1 for _, n in chunks if n > 1)
     # Few shapes, few compiles: decode-only steps use S tokens; steps with chunks use one of
-    # four token buckets, and max_q equals that bucket.
+    # two token buckets (budget/4, budget), and 1, 4 or S long rows (see max_q below).
     top = pow2(ec.max_num_batched_tokens)
-    t = pow2(total, max(8, top // 8)) if num_long else pow2(s, 8)
+    t = pow2(total, max(8, top // 4)) if num_long else pow2(s, 8)
+    t = top if num_long and t > top // 4 else t
     tok = np.zeros(t, np.int32)
     pos = np.zeros(t, np.int32)
     rows_of = np.full(t, -1, np.int32)
@@ -116,9 +123,14 @@ def build_batch(plan: Plan, ec) -> tuple[StepBatch, dict, list]:
         fs[j], fd[j], fi[j] = a, b, c
     batch = StepBatch(*(jnp.asarray(x) for x in (tok, pos, rows_of, row_slots, qs, num_new,
                                                     sample, fs, fd, fi)))
-    max_q = t if num_long else 1
-    shapes = dict(max_q=max_q, max_q_rows=min(pow2(num_long), s) if num_long else None,
-                  max_new_blocks=pow2(-(-max_q // k) + 1))
+    # Queries per long row: the whole bucket, or an eighth of it when every chunk is short
+    # (many small prefill chunks, e.g. after prefix-cache hits: the reference pads each row).
+    longest = max(n for _, n in chunks)
+    max_q = 1 if not num_long else max(1, t // 8) if longest <= t // 8 else t
+    pages = max(seq.num_computed + n for seq, n in chunks)
+    rows = None if not num_long else 1 if num_long == 1 else 4 if num_long <= 4 else s
+    shapes = dict(max_q=max_q, max_q_rows=min(rows, s) if rows else None,
+                  max_new_blocks=pow2(-(-max_q // k) + 1), max_pages=page_bucket(pages, ec))
     return batch, shapes, forks
 
 

@@ -1,8 +1,10 @@
 """Allocator invariants, checked on the host after any operation (tests, notebooks).
 
     refcount[b] == number of live block-table entries that reference b   (b >= 1)
-    free list   == exactly the blocks with refcount 0 (block 0 excluded), no duplicates
-    free + used == num_blocks - 1
+    free list   == exactly the blocks with refcount 0 that are not cached (block 0 excluded),
+                   no duplicates
+    cached-free == cached blocks with refcount 0: off the free list, waiting for a hit or eviction
+    free + used + cached-free == num_blocks - 1
     a live sequence of length n holds exactly ceil(n / K) blocks, in its first columns
 """
 
@@ -47,9 +49,14 @@ def check_invariants(pool: BlockPool, table: PageTable) -> None:
     _check(bad.size == 0, f"refcount != table references for blocks {bad.tolist()}: "
                           f"refcount {ref[bad].tolist()} vs references {counts[bad].tolist()}")
     _check(bool(np.all(ref[free] == 0)), "a block on the free list has references")
+    cached = np.asarray(pool.cached)
+    _check(not cached[NULL_BLOCK], "the zero block is marked cached")
+    _check(not cached[free].any(), f"cached blocks on the free list {free[cached[free]]}")
     used = int(np.count_nonzero(ref[1:]))
-    _check(used + num_free == n_blocks - 1,
-           f"free ({num_free}) + used ({used}) != num_blocks - 1 ({n_blocks - 1})")
+    cached_free = int(np.count_nonzero(cached & (ref == 0)))
+    _check(used + num_free + cached_free == n_blocks - 1,
+           f"free ({num_free}) + used ({used}) + cached-free ({cached_free}) "
+           f"!= num_blocks - 1 ({n_blocks - 1})")
 
     for s in range(tables.shape[0]):
         if not live[s]:

@@ -40,6 +40,7 @@ class LLM:
       decode_window: decode steps per device call when only decodes run.
       attention_backend: "reference" or "pallas"; None picks by platform.
       max_logprobs: the most logprobs a request may ask for.
+      enable_prefix_caching: reuse cached KV blocks of shared prompt prefixes (vLLM default).
       model_parts: (config, params, tokenizer) to use instead of loading `model`.
     """
 
@@ -49,6 +50,7 @@ class LLM:
         max_model_len: int | None = None, dtype: str = "float32", seed: int = 0,
         preemption_mode: str = "recompute", decode_window: int = 8,
         attention_backend: str | None = None, max_logprobs: int = 20, model_parts=None,
+        enable_prefix_caching: bool = True,
         **unsupported,
     ):
         if unsupported:
@@ -70,7 +72,8 @@ class LLM:
             block_size=block_size, num_kv_blocks=int(num_kv_blocks), max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             preemption_mode=preemption_mode, decode_window=decode_window,
-            backend=attention_backend, max_logprobs=max_logprobs, seed=seed)
+            backend=attention_backend, max_logprobs=max_logprobs, seed=seed,
+            enable_prefix_caching=enable_prefix_caching)
         self.llm_engine = Engine(config, params, tok, self.engine_config)
         self._counter = 0
 

@@ -161,16 +161,39 @@ def _needs_copy(
 
     When every holder of a shared block writes in this same call, the first of them keeps the
     block and only the others copy (what a sequential copy-on-write would do). Writers per
-    block are counted with scatters into [N] arrays: O(N + S), not O(S^2).
+    block are counted with scatters into [N] arrays: O(N + S), not O(S^2). A block the prefix
+    cache names is shared with the cache: it is always copied, never written in place (this
+    happens when a whole prompt was a cache hit and its last token is recomputed).
     """
     n = pool.num_blocks
     rows = jnp.arange(last.shape[0])
-    cand = writes & (pool.refcount[last] > 1)
+    cached = pool.cached[last]
+    cand = writes & ((pool.refcount[last] > 1) | cached)
     target = jnp.where(cand, last, n)
     writers = jnp.zeros((n,), jnp.int32).at[target].add(1, mode="drop")
     first = jnp.full((n,), last.shape[0], jnp.int32).at[target].min(rows, mode="drop")
-    keeper = cand & (writers[last] == pool.refcount[last]) & (first[last] == rows)
+    keeper = cand & ~cached & (writers[last] == pool.refcount[last]) & (first[last] == rows)
     return cand & ~keeper
+
+
+def attach_prefix(
+    pool: BlockPool, table: PageTable, slot: Int[Array, ""], blocks: Int[Array, "P"],
+    num_tokens: Int[Array, ""],
+) -> tuple[BlockPool, PageTable]:
+    """Gives live, empty `slot` the cached blocks of a prefix hit: row, length, refcount + 1.
+
+    Args:
+      blocks: [P] the hit's blocks in logical order, 0-padded.
+      num_tokens: tokens the slot now holds (<= K * number of blocks; the last block may be
+        only partly counted when the last prompt token is recomputed).
+    """
+    pool = pool_lib.incref(pool, blocks)
+    table = dataclasses.replace(
+        table,
+        block_tables=table.block_tables.at[slot].set(blocks),
+        seq_lens=table.seq_lens.at[slot].set(num_tokens),
+    )
+    return pool, table
 
 
 def slot_mapping(

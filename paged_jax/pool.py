@@ -5,6 +5,15 @@ blocks and freeing m blocks each cost O(m) array work, never a scan of the whole
 Every function is pure and jittable; running out of blocks is reported through an `ok` flag and
 leaves the pool unchanged (nothing raises inside jit).
 
+Prefix caching adds a third state besides free and used: *cached-free*, a block with refcount 0
+whose K/V a prefix-cache entry still names (`cached[b]`). `decref` leaves such blocks off the
+free stack; only `evict` (the host picks which, least recently used first) pushes them back.
+
+    block states:  free (on the stack)  --allocate-->  used (refcount > 0)
+                   used --decref to 0--> free          (not cached)
+                   used --decref to 0--> cached-free   (cached: kept for a later hit)
+                   cached-free --incref (prefix hit)--> used;  --evict--> free
+
     free_stack: [ N-1, N-2, ...,  3,  2,  1 | stale ... ]   num_free = N - 1 at start
                                           ^ top: the next block handed out is 1, then 2, ...
 """
@@ -28,11 +37,13 @@ class BlockPool:
       refcount: [N] number of page-table entries referencing each block; 0 <=> free.
       free_stack: [N] free block ids in `free_stack[:num_free]`; the rest is stale.
       num_free: [] how many blocks are free.
+      cached: [N] blocks a prefix-cache entry names; at refcount 0 they are cached-free.
     """
 
     refcount: Int[Array, "N"]
     free_stack: Int[Array, "N"]
     num_free: Int[Array, ""]
+    cached: Bool[Array, "N"]
 
     @property
     def num_blocks(self) -> int:
@@ -45,6 +56,7 @@ def init_pool(num_blocks: int) -> BlockPool:
         refcount=jnp.zeros((num_blocks,), jnp.int32),
         free_stack=jnp.arange(num_blocks - 1, -1, -1, dtype=jnp.int32),
         num_free=jnp.asarray(num_blocks - 1, jnp.int32),
+        cached=jnp.zeros((num_blocks,), bool),
     )
 
 
@@ -75,7 +87,7 @@ def allocate(
     target = jnp.where(wanted, ids, pool.num_blocks)
     refcount = pool.refcount.at[target].set(1, mode="drop")
     num_free = pool.num_free - jnp.where(ok, total, 0)
-    return BlockPool(refcount, pool.free_stack, num_free), ids, ok
+    return dataclasses.replace(pool, refcount=refcount, num_free=num_free), ids, ok
 
 
 def incref(pool: BlockPool, ids: Int[Array, "..."]) -> BlockPool:
@@ -90,6 +102,7 @@ def decref(pool: BlockPool, ids: Int[Array, "..."]) -> BlockPool:
 
     Freed blocks are found among `ids` (a repeated id is pushed once, at its first position),
     never by scanning the pool's refcounts; they are pushed in the order they appear in `ids`.
+    Cached blocks reaching 0 stay off the free list (cached-free) until `evict`.
     """
     ids = ids.reshape(-1)
     m, n = ids.shape[0], pool.num_blocks
@@ -98,11 +111,43 @@ def decref(pool: BlockPool, ids: Int[Array, "..."]) -> BlockPool:
     refcount = pool.refcount.at[target].add(-1, mode="drop")
     first = jnp.full((n,), m, jnp.int32).at[target].min(pos_in_ids, mode="drop")
     freed = (ids != NULL_BLOCK) & (first[ids] == pos_in_ids) & (refcount[ids] == 0)
-    pos = jnp.where(freed, pool.num_free + jnp.cumsum(freed) - 1, n)
+    freed = freed & ~pool.cached[ids]
+    return _push(dataclasses.replace(pool, refcount=refcount), ids, freed)
+
+
+def _push(pool: BlockPool, ids: Int[Array, "M"], push: Bool[Array, "M"]) -> BlockPool:
+    """Pushes `ids[push]` (distinct) on the free stack, in order."""
+    pos = jnp.where(push, pool.num_free + jnp.cumsum(push) - 1, pool.num_blocks)
     free_stack = pool.free_stack.at[pos].set(ids, mode="drop")
-    return BlockPool(refcount, free_stack, pool.num_free + freed.sum(dtype=jnp.int32))
+    return dataclasses.replace(
+        pool, free_stack=free_stack, num_free=pool.num_free + push.sum(dtype=jnp.int32))
+
+
+def mark_cached(pool: BlockPool, ids: Int[Array, "M"]) -> BlockPool:
+    """Marks blocks as named by a prefix-cache entry (they are in use when registered)."""
+    target = jnp.where(ids != NULL_BLOCK, ids, pool.num_blocks)
+    return dataclasses.replace(pool, cached=pool.cached.at[target].set(True, mode="drop"))
+
+
+def evict(pool: BlockPool, ids: Int[Array, "M"]) -> BlockPool:
+    """Drops the cache entries of `ids` (distinct); the cached-free ones go on the free stack.
+
+    The host chooses the victims (LRU order lives host-side); a block that is in use again is
+    only unmarked, never pushed, so a stale choice cannot corrupt the free list.
+    """
+    ids = ids.reshape(-1)
+    real = ids != NULL_BLOCK
+    push = real & pool.cached[ids] & (pool.refcount[ids] == 0)
+    target = jnp.where(real, ids, pool.num_blocks)
+    pool = dataclasses.replace(pool, cached=pool.cached.at[target].set(False, mode="drop"))
+    return _push(pool, ids, push)
+
+
+def num_cached_free(pool: BlockPool) -> Int[Array, ""]:
+    """Cached blocks nobody references: reusable by a hit, or evictable on demand."""
+    return jnp.sum(pool.cached & (pool.refcount == 0), dtype=jnp.int32)
 
 
 def num_used(pool: BlockPool) -> Int[Array, ""]:
-    """Blocks in use (excludes the zero block)."""
-    return pool.num_blocks - 1 - pool.num_free
+    """Blocks in use (excludes the zero block and cached-free blocks)."""
+    return pool.num_blocks - 1 - pool.num_free - num_cached_free(pool)

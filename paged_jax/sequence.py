@@ -37,6 +37,10 @@ class Sequence:
     # True while the partly filled last block may be shared with a fork (copy-on-write).
     maybe_shared_last: bool = False
     swapped: object = None  # host copy of its K/V blocks while swapped out
+    # Prefix caching: hashes of the full blocks of `tokens` (a chain, grown lazily), and the
+    # cache hit chosen at admission, attached on the device when the slot goes live.
+    block_hashes: list[int] = dataclasses.field(default_factory=list)
+    prefix_hit: object = None
     logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
     text: str = ""

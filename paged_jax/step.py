@@ -100,9 +100,13 @@ class StepConfig:
 
 def _forward_rows(
     params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, max_q: int,
-    max_q_rows: int | None,
+    max_q_rows: int | None, max_pages: int | None,
 ) -> tuple[Float[Array, "S V"], KVCache]:
-    """Model forward over the batch's rows; logits scattered back to page-table slots."""
+    """Model forward over the batch's rows; logits scattered back to page-table slots.
+
+    Attention sees only the first `max_pages` pages of each row (a static bucket covering the
+    longest sequence in the step), so short contexts do not pay for max_model_len.
+    """
     table = state.table
     rows_valid = batch.row_slots >= 0
     slots = jnp.clip(batch.row_slots, 0)
@@ -111,7 +115,7 @@ def _forward_rows(
     seq_lens = jnp.where(rows_valid, table.seq_lens[slots], 0)
     logits, cache = forward(
         params, state.cache, batch.token_ids, batch.positions, slot_map,
-        table.block_tables[slots], seq_lens, batch.query_start,
+        table.block_tables[slots][:, :max_pages], seq_lens, batch.query_start,
         config=cfg.model, max_q=max_q, backend=cfg.backend, max_q_rows=max_q_rows,
     )
     s = table.live.shape[0]
@@ -169,7 +173,7 @@ def _empty_out(state: EngineState, cfg: StepConfig) -> StepOut:
 
 def step_body(
     params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, max_q: int,
-    max_q_rows: int | None, max_new_blocks: int,
+    max_q_rows: int | None, max_new_blocks: int, max_pages: int | None = None,
 ) -> tuple[EngineState, StepOut]:
     """One ragged step (unjitted; see `run_step`)."""
     pool, table, (src, dst), ok = pt.reserve_slots(
@@ -177,7 +181,7 @@ def step_body(
 
     def go(_):
         st = EngineState(pool, table, copy_blocks(state.cache, src, dst), state.sampling)
-        logits, cache = _forward_rows(params, st, batch, cfg, max_q, max_q_rows)
+        logits, cache = _forward_rows(params, st, batch, cfg, max_q, max_q_rows, max_pages)
         st, logits, children = _fork_children(dataclasses.replace(st, cache=cache), logits, batch)
         return _sample(st, logits, batch.sample | children, cfg)
 
@@ -185,11 +189,11 @@ def step_body(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "max_q", "max_q_rows", "max_new_blocks"),
+    jax.jit, static_argnames=("cfg", "max_q", "max_q_rows", "max_new_blocks", "max_pages"),
     donate_argnames=("state",))
 def run_step(
     params: Params, state: EngineState, batch: StepBatch, *, cfg: StepConfig, max_q: int,
-    max_q_rows: int | None = None, max_new_blocks: int = 2,
+    max_q_rows: int | None = None, max_new_blocks: int = 2, max_pages: int | None = None,
 ) -> tuple[EngineState, StepOut]:
     """One ragged step (prefill chunks and/or decodes), the state donated.
 
@@ -201,11 +205,12 @@ def run_step(
       max_q: static bound on tokens of any row.
       max_q_rows: static; only the first max_q_rows rows may have more than one token.
       max_new_blocks: static bound on blocks one slot gains in this step (copies included).
+      max_pages: static bound on pages any row holds after the step (None: all P).
 
     Returns:
       (state', StepOut). When the pool cannot cover the step, ok is False and state' is state.
     """
-    return step_body(params, state, batch, cfg, max_q, max_q_rows, max_new_blocks)
+    return step_body(params, state, batch, cfg, max_q, max_q_rows, max_new_blocks, max_pages)
 
 
 def decode_batch(
@@ -244,10 +249,10 @@ class WindowOut:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "window"), donate_argnames=("state",))
+    jax.jit, static_argnames=("cfg", "window", "max_pages"), donate_argnames=("state",))
 def decode_window(
     params: Params, state: EngineState, tokens: Int[Array, "S"], active: Bool[Array, "S"], *,
-    cfg: StepConfig, window: int,
+    cfg: StepConfig, window: int, max_pages: int | None = None,
 ) -> tuple[EngineState, WindowOut]:
     """Up to `window` decode steps in one `lax.while_loop`; the host syncs once per window.
 
@@ -258,6 +263,7 @@ def decode_window(
       active: [S] slots that decode.
       cfg: static config.
       window: static W, the most steps.
+      max_pages: static bound on pages any slot holds by the end of the window (None: all P).
 
     Returns:
       (state', WindowOut). The loop stops early when every slot has stopped, or when the pool
@@ -277,7 +283,7 @@ def decode_window(
     def body(c):
         st, tok, act, out = c
         batch = decode_batch(tok, act, st.table.seq_lens)
-        st, o = step_body(params, st, batch, cfg, 1, None, 2)
+        st, o = step_body(params, st, batch, cfg, 1, None, 2, max_pages)
         i = out.steps
         valid = o.sampled & o.ok
         out = WindowOut(

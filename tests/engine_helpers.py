@@ -49,4 +49,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 def all_free(eng: Engine) -> bool:
-    return int(eng.state.pool.num_free) == eng.config.num_kv_blocks - 1
+    """Nothing is held: every block is free or cached-free (prefix caching keeps those)."""
+    pool = eng.state.pool
+    cached_free = int((pool.cached & (pool.refcount == 0)).sum())
+    return (not bool(pool.refcount.any())
+            and int(pool.num_free) + cached_free == eng.config.num_kv_blocks - 1)

