@@ -46,7 +46,8 @@ bench: $(STAMP)
 	$(VPY) -m experiments.bench_allocator
 
 notebooks: $(STAMP)
-	$(VPY) -m jupyter lab notebooks || $(VPY) -m notebook notebooks
+	$(VPY) -m pip install -q -e '.[notebook]'
+	$(VPY) -m jupyter lab notebooks
 
 # Runs on a GPU machine with its own python3 (jax with CUDA); never uses .venv.
 gpu-check:
