@@ -24,30 +24,17 @@ from hypothesis.stateful import (
 
 from paged_jax.config import CacheConfig
 from paged_jax.invariants import check_invariants
-from paged_jax.kv_cache import copy_blocks, init_kv_cache, write
-from paged_jax.page_table import add_sequence, fork, init_page_table, release, reserve_slots
-from paged_jax.page_table import slot_mapping as slot_mapping_fn
+from paged_jax.kv_cache import init_kv_cache
+from paged_jax.page_table import add_sequence, fork, init_page_table, release
 from paged_jax.pool import init_pool
+from tests.allocator_helpers import make_append
 
 CFG = CacheConfig(num_blocks=14, block_size=4, max_seqs=5, max_blocks_per_seq=5)
 MAX_NEW = 2 * CFG.block_size + 1
 T = CFG.max_seqs * MAX_NEW
 
 
-@jax.jit
-def _append(pool, table, cache, num_new, values):
-    """reserve -> copy-on-write -> write K/V (the step's device-side order)."""
-    old = table.seq_lens
-    pool, table, (src, dst), ok = reserve_slots(pool, table, num_new)
-    cache = copy_blocks(cache, src, dst)
-    seq = jnp.repeat(jnp.arange(CFG.max_seqs), MAX_NEW)
-    i = jnp.tile(jnp.arange(MAX_NEW), CFG.max_seqs)
-    real = (i < num_new[seq]) & ok
-    slots = slot_mapping_fn(table, jnp.where(real, seq, -1), old[seq] + i)
-    kv = values[:, None, None]
-    return pool, table, write(cache, 0, slots, kv, -kv), ok, (dst != 0).sum()
-
-
+_append = make_append(CFG, MAX_NEW)
 _fork = jax.jit(fork)
 _release = jax.jit(release)
 _add = jax.jit(add_sequence)

@@ -19,18 +19,17 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from paged_jax.config import CacheConfig
 from paged_jax.invariants import check_invariants
-from paged_jax.kv_cache import copy_blocks, init_kv_cache, write
+from paged_jax.kv_cache import init_kv_cache
 from paged_jax.page_table import (
     add_sequence,
     attach_prefix,
     init_page_table,
     release,
-    reserve_slots,
-    slot_mapping,
 )
 from paged_jax.pool import evict, init_pool, mark_cached, num_cached_free
 from paged_jax.prefix_cache import PrefixCache
 from paged_jax.sequence import Sequence
+from tests.allocator_helpers import make_append
 
 CFG = CacheConfig(num_blocks=12, block_size=2, max_seqs=4, max_blocks_per_seq=6)
 MAX_NEW = CFG.max_seq_len
@@ -42,18 +41,7 @@ def fingerprint(prefix: list[int]) -> float:
     return float(hash(tuple(prefix)) % 1_000_003 + 1)
 
 
-@jax.jit
-def _grow(pool, table, cache, num_new, values):
-    """reserve -> copy-on-write -> write values (the engine step's device order)."""
-    old = table.seq_lens
-    pool, table, (src, dst), ok = reserve_slots(pool, table, num_new)
-    cache = copy_blocks(cache, src, dst)
-    seq = jnp.repeat(jnp.arange(CFG.max_seqs), MAX_NEW)
-    i = jnp.tile(jnp.arange(MAX_NEW), CFG.max_seqs)
-    real = (i < num_new[seq]) & ok
-    slots = slot_mapping(table, jnp.where(real, seq, -1), old[seq] + i)
-    kv = values[:, None, None]
-    return pool, table, write(cache, 0, slots, kv, kv), ok
+_grow = make_append(CFG, MAX_NEW, v_sign=1.0)
 
 
 _add, _attach, _release = jax.jit(add_sequence), jax.jit(attach_prefix), jax.jit(release)
@@ -93,7 +81,7 @@ class PrefixMachine(RuleBasedStateMachine):
         num_new[seq.slot] = n
         vals = np.zeros((CFG.max_seqs, MAX_NEW), np.float32)
         vals[seq.slot, :n] = [fingerprint(seq.tokens[: p + 1]) for p in range(a, a + n)]
-        self.pool, self.table, self.kv, ok = _grow(
+        self.pool, self.table, self.kv, ok, _ = _grow(
             self.pool, self.table, self.kv, jnp.asarray(num_new), jnp.asarray(vals.reshape(-1)))
         assert bool(ok), "the free-block accounting promised room"
         seq.num_computed = a + n
