@@ -53,7 +53,7 @@ class EngineConfig:
       max_logprobs: the most top logprobs a request may ask for (static).
       seed: engine seed, used for requests without their own.
       reservation: KV reservation policy: "paged" (on demand, ours), or the baselines
-        "static", "orca-max", "orca-pow2", "orca-oracle" (see scheduler.py).
+        "static", "orca-max", "orca-pow2", "orca-oracle" (see reservation.py).
       enable_prefix_caching: reuse cached full blocks across requests (prefix_cache.py).
       admission: "fcfs", or "cache-aware" (longest cached prefix first; needs caching).
       max_skips: cache-aware admission passes a request over at most this many times.
