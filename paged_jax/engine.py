@@ -247,7 +247,6 @@ class Engine:
         if not out.ok:  # the estimate missed (should not happen): free memory, retry later
             self._preempt(max(self.scheduler.running, key=lambda r: r.order))
             return []
-        touched = []
         for seq, n in plan.chunks:
             seq.num_computed += n
         epc.register(self, [(s, s.num_computed - n) for s, n in plan.chunks])
@@ -263,9 +262,7 @@ class Engine:
         for seq in [s for s, _ in plan.chunks] + [c for _, cs in forks for c in cs]:
             if out.sampled[seq.slot]:
                 self._append(seq, out, None, finished)
-        touched = self._finish(finished)
-        touched += [r for r in self._reqs_of([s for s, _ in plan.chunks]) if r not in touched]
-        return touched
+        return self._touched(plan, finished)
 
     def _run_window(self, plan: Plan) -> tuple[list[Request], int]:
         s = self.config.max_num_seqs
@@ -291,9 +288,7 @@ class Engine:
                     if self._append(seq, out, i, finished):
                         done.add(id(seq))
         epc.register(self, before)
-        touched = self._finish(finished)
-        touched += [r for r in self._reqs_of([s for s, _ in plan.chunks]) if r not in touched]
-        return touched, steps
+        return self._touched(plan, finished), steps
 
     # ---- outputs -------------------------------------------------------------------------
     def _append(self, seq: Sequence, out, i: int | None, finished: list) -> bool:
@@ -321,6 +316,12 @@ class Engine:
         seq.finish_reason, seq.stop_reason = reason
         finished.append(seq)
         return True
+
+    def _touched(self, plan: Plan, finished: list[Sequence]) -> list[Request]:
+        """Requests with news after a step: finished ones (released now) and those that ran."""
+        touched = self._finish(finished)
+        return touched + [r for r in self._reqs_of([s for s, _ in plan.chunks])
+                          if r not in touched]
 
     @staticmethod
     def _finished_at(out, i: int, seq: Sequence) -> bool:
