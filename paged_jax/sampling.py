@@ -212,9 +212,24 @@ def fork_slot(
     Returns:
       The state with row `dst` a copy of row `src` under its own key.
     """
-    copied = jax.tree.map(lambda a: a.at[dst].set(a[src]), state)
-    child_key = jax.random.key_data(jax.random.fold_in(_wrap(state.key[src]), sample_index))
-    return dataclasses.replace(copied, key=copied.key.at[dst].set(child_key))
+    one = lambda x: jnp.asarray(x, jnp.int32).reshape(1)  # noqa: E731
+    return fork_slots(state, one(src), one(dst), one(sample_index))
+
+
+def fork_slots(
+    state: SamplingState, src: Int[Array, "F"], dst: Int[Array, "F"], index: Int[Array, "F"]
+) -> SamplingState:
+    """`fork_slot` for F pairs at once (the engine step's forks); pairs with src < 0 pad.
+
+    Returns:
+      The state with each row dst[f] a copy of row src[f] under key fold_in(key, index[f]).
+    """
+    dst = jnp.where(src >= 0, dst, state.max_seqs)  # index S is dropped
+    src = jnp.clip(src, 0)
+    copied = jax.tree.map(lambda a: a.at[dst].set(a[src], mode="drop"), state)
+    keys = jax.vmap(lambda k, i: jax.random.key_data(jax.random.fold_in(_wrap(k), i)))(
+        state.key[src], index)
+    return dataclasses.replace(copied, key=copied.key.at[dst].set(keys, mode="drop"))
 
 
 def _wrap(key_data: UInt[Array, "2"]) -> jax.Array:

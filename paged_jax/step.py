@@ -124,26 +124,12 @@ def _forward_rows(
     return slot_logits, cache
 
 
-def _fork_sampling(
-    sampling: smp.SamplingState, src: Int[Array, "F"], dst: Int[Array, "F"],
-    index: Int[Array, "F"],
-) -> smp.SamplingState:
-    """Rows dst copy rows src; each child draws with fold_in(parent key, index). src<0 pads."""
-    s = sampling.temperature.shape[0]
-    dst = jnp.where(src >= 0, dst, s)
-    src = jnp.clip(src, 0)
-    copied = jax.tree.map(lambda a: a.at[dst].set(a[src], mode="drop"), sampling)
-    keys = jax.vmap(lambda k, i: jax.random.key_data(jax.random.fold_in(smp._wrap(k), i)))(
-        sampling.key[src], index)
-    return dataclasses.replace(copied, key=copied.key.at[dst].set(keys, mode="drop"))
-
-
 def _fork_children(
     state: EngineState, logits: Float[Array, "S V"], batch: StepBatch
 ) -> tuple[EngineState, Float[Array, "S V"], Bool[Array, "S"]]:
     """Creates parallel-sampling children after the prompt's K/V are written."""
     pool, table = pt.fork(state.pool, state.table, batch.fork_src, batch.fork_dst)
-    sampling = _fork_sampling(state.sampling, batch.fork_src, batch.fork_dst, batch.fork_index)
+    sampling = smp.fork_slots(state.sampling, batch.fork_src, batch.fork_dst, batch.fork_index)
     s = table.live.shape[0]
     dst = jnp.where(batch.fork_src >= 0, batch.fork_dst, s)
     logits = logits.at[dst].set(logits[jnp.clip(batch.fork_src, 0)], mode="drop")
