@@ -48,7 +48,7 @@ def beam_search(engine: Engine, prompt, params: BeamSearchParams) -> tuple[BeamS
         raise RuntimeError("beam_search needs an idle engine")
     w = params.beam_width
     text, ids = io.prompt_ids(prompt, engine.tokenizer)
-    io.check_fits(SamplingParams(n=w, max_tokens=params.max_tokens, temperature=1.0), len(ids),
+    io.check_fits(SamplingParams(n=w, max_tokens=params.max_tokens, temperature=1.0), ids,
                   engine.config, engine.model_config)
     k = min(2 * w, engine.model_config.vocab_size)
     cfg = dataclasses.replace(engine.step_cfg, num_top_logprobs=k)

@@ -161,7 +161,7 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or SamplingParams()
         text, ids = io.prompt_ids(prompt, self.tokenizer)
-        params = io.check_fits(params, len(ids), self.config, self.model_config)
+        params = io.check_fits(params, ids, self.config, self.model_config)
         req = Request(request_id, text, ids, params,
                       arrival_time if arrival_time is not None else time.time(), order=-1)
         req.seqs = [Sequence(i, list(ids), len(ids), owner=req) for i in range(params.n)]

@@ -60,8 +60,12 @@ def _check_ids(ids: list[int]) -> list[int]:
     return [int(i) for i in ids]
 
 
-def check_fits(params: SamplingParams, prompt_len: int, ec, mc: ModelConfig) -> SamplingParams:
+def check_fits(params: SamplingParams, ids: list[int], ec, mc: ModelConfig) -> SamplingParams:
     """Rejects a request that could never be served; fills max_tokens=None up to the limit."""
+    if max(ids) >= mc.vocab_size:
+        raise ValueError(f"prompt token id {max(ids)} is outside the model's vocabulary "
+                         f"(vocab_size {mc.vocab_size})")
+    prompt_len = len(ids)
     room = ec.max_model_len - prompt_len
     if room < 1:
         raise ValueError(f"prompt has {prompt_len} tokens, but max_model_len is "

@@ -121,6 +121,7 @@ def test_min_tokens_holds_back_a_stop_token():
     ("", "empty"),
     ({"foo": 1}, "prompt_token_ids"),
     ([1, -2], "non-negative"),
+    ([1, 9999], "vocab"),
 ])
 def test_bad_prompts_are_rejected_clearly(bad, match):
     eng = engine()
