@@ -4,7 +4,8 @@
     N physical blocks in the pool               K block size (token slots per block)
     H KV heads       Q query heads (H * G)      G query heads per KV head
     D head dim       L layers                   E model width        V vocabulary
-    F forks (pairs)  C copy pairs
+    F forks (pairs)  C copy pairs               R query groups (rows or tiles)
+    M queries per group                         X key slots (P * K)
 
 Shapes are written in annotations as strings, e.g. ``Int[Array, "S P"]``.
 """

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from paged_jax import attention
 from paged_jax.attention import default_backend, paged_attention, ragged_reference
 
 S, P, K, H, G, D, MAX_Q = 3, 3, 4, 2, 2, 8, 3
@@ -60,6 +61,28 @@ def test_reference_matches_naive(batch):
     want = naive(*batch, scale)
     assert np.all(np.isfinite(np.asarray(got)))
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=batches(), tile=st.integers(1, MAX_Q), rows=st.sampled_from([None, 1, 2, S]))
+def test_query_tiles_match_naive(batch, tile, rows):
+    """Long rows cut into query tiles (smaller than a row, here) give the same attention,
+    whichever rows the max_q_rows hint sends down the tiled path."""
+    q, k, v, tables, lens, qs = batch
+    if rows is not None:  # the hint's contract: rows past it hold at most one query
+        lens, qs = lens.copy(), qs.copy()
+        n = np.diff(qs)
+        n[rows:] = np.minimum(n[rows:], 1)
+        qs = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+    old = attention.QUERY_TILE
+    attention.QUERY_TILE = tile
+    try:
+        got = paged_attention(*(jnp.asarray(x) for x in (q, k, v, tables, lens, qs)),
+                              max_q=MAX_Q, scale=0.3, max_q_rows=rows)
+    finally:
+        attention.QUERY_TILE = old
+    np.testing.assert_allclose(np.asarray(got), naive(q, k, v, tables, lens, qs, 0.3),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_default_scale_is_inverse_sqrt_head_dim():
