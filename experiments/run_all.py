@@ -16,7 +16,7 @@ from experiments import (
 
 FULL = [
     (memory_breakdown, dict(requests=96)),
-    (latency_vs_rate, dict(requests=48, real_requests=12)),
+    (latency_vs_rate, dict(requests=200, measured_requests=96, real_requests=12)),
     (batch_under_budget, dict(requests=96, budgets=(65, 129, 257))),
     (block_size, dict(sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), requests=48)),
     (sampling_sharing, dict(requests=32)),

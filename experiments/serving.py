@@ -3,7 +3,9 @@
 Clock. Experiments run on a virtual clock: it advances by each engine step's measured wall
 duration, and when nothing runs it jumps to the next arrival. So latencies are real compute
 times, but a 2-core CPU does not sit idle waiting for requests (equivalent to real time with
-instant idle periods). Requests join between steps, as in a real server loop.
+instant idle periods). Requests join between steps, as in a real server loop. With
+`cost=GpuCostModel()` the clock advances instead by the step's modeled time on the paper's
+GPU (paged_jax/cost_model.py); the engine still runs every step for real.
 
 Compilation. The first steps of a configuration compile (seconds on CPU); `warm_up` runs a
 short mixed workload first so no measured step compiles, and the persistent XLA cache
@@ -23,6 +25,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 
 import jax  # noqa: E402
 
+from paged_jax.cost_model import GpuCostModel  # noqa: E402
 from paged_jax.engine import Engine, EngineConfig  # noqa: E402
 from paged_jax.metrics import Timing, kv_snapshot  # noqa: E402
 from paged_jax.models.testing import byte_tokenizer, random_params, tiny_config  # noqa: E402
@@ -96,7 +99,8 @@ def warm_up(parts, config: dict, n: int | None = None, items=None) -> float:
     return time.perf_counter() - t0
 
 
-def serve(engine: Engine, items: list[WorkItem], params=None, on_step=None) -> Run:
+def serve(engine: Engine, items: list[WorkItem], params=None, on_step=None,
+          cost: GpuCostModel | None = None) -> Run:
     """Serves `items` at their arrival times on the virtual clock (module docstring).
 
     Args:
@@ -104,6 +108,7 @@ def serve(engine: Engine, items: list[WorkItem], params=None, on_step=None) -> R
       items: the workload.
       params: item -> SamplingParams (default: greedy, exactly output_len tokens).
       on_step: called after each step (progress bars).
+      cost: advance the clock by this model's modeled step time instead of the measured one.
     """
     pending = sorted(items, key=lambda w: w.arrival)
     timings = {w.request_id: Timing(w.arrival) for w in items}
@@ -119,8 +124,9 @@ def serve(engine: Engine, items: list[WorkItem], params=None, on_step=None) -> R
             continue
         t0 = time.perf_counter()
         outs = engine.step()
-        clock += time.perf_counter() - t0
+        wall = time.perf_counter() - t0
         snaps.append(kv_snapshot(engine))
+        clock += wall if cost is None else _modeled(cost, engine, snaps[-1])
         for o in outs:
             _record(timings[o.request_id], o, clock)
             if o.finished:
@@ -129,6 +135,12 @@ def serve(engine: Engine, items: list[WorkItem], params=None, on_step=None) -> R
             on_step()
     span = clock - (pending[0].arrival if pending else 0.0)
     return Run(list(timings.values()), snaps, list(engine.stats), span, outputs)
+
+
+def _modeled(cost: GpuCostModel, engine: Engine, snap: dict) -> float:
+    st, cfg = engine.stats[-1], engine.config
+    return cost.step_seconds(st.num_steps, st.num_tokens, snap["token_states"],
+                             (cfg.num_kv_blocks - 1) * cfg.block_size)
 
 
 def _record(t: Timing, out, clock: float) -> None:

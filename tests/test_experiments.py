@@ -44,12 +44,34 @@ def test_memory_breakdown():
 
 
 def test_latency_vs_rate():
-    data = load(latency_vs_rate.main(requests=4, real_requests=0, policies=("paged", "orca-max"),
-                                     fractions=(0.5, 2.0), datasets=("alpaca",)))
-    (panel,) = data["panels"]
-    assert panel["capacity"] > 0 and len(panel["points"]) == 4
-    assert all(p["normalized_latency"] > 0 and p["n"] == 4 for p in panel["points"])
-    assert set(panel["sustainable"]["rate"]) == {"paged", "orca-max"}
+    data = load(latency_vs_rate.main(requests=4, measured_requests=4, real_requests=0,
+                                     policies=("paged", "orca-max"), fractions=(0.5, 2.0),
+                                     datasets=("alpaca",)))
+    modeled, measured = data["panels"]
+    assert (modeled["clock"], measured["clock"]) == ("modeled", "measured")
+    assert len(modeled["points"]) == 4 and len(measured["points"]) == 8
+    for panel in data["panels"]:
+        assert panel["capacity"] > 0
+        assert all(p["normalized_latency"] > 0 and p["n"] == 4 for p in panel["points"])
+        assert set(panel["sustainable"]["rate"]) == {"paged", "orca-max"}
+
+
+def test_modeled_clock_is_deterministic_and_favours_bigger_batches():
+    """On the modeled clock a run's latencies do not depend on machine speed (two runs agree
+    exactly), and paging, which batches more in the same pool, finishes a burst sooner."""
+    from experiments import serving as sv
+    from paged_jax.cost_model import GpuCostModel
+    from paged_jax.workloads import make_workload
+
+    parts, cfg = sv.tiny_model(), {**sv.TINY, "num_kv_blocks": 33}
+    items = make_workload("alpaca", 12, float("inf"), parts[2], 0, 1.0, cfg["max_model_len"])
+    spans = {}
+    for policy in ("paged", "orca-max"):
+        runs = [sv.serve(sv.make_engine(parts, **cfg, reservation=policy), items,
+                         cost=GpuCostModel()) for _ in range(2)]
+        assert [t.finished for t in runs[0].timings] == [t.finished for t in runs[1].timings]
+        spans[policy] = runs[0].span
+    assert spans["paged"] < spans["orca-max"]
 
 
 def test_batch_under_budget():
