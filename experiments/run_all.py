@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import time
 
 from experiments import (
@@ -25,8 +26,11 @@ FULL = [
 ]
 
 
-def main() -> None:
+def main(skip: tuple[str, ...] = ()) -> None:
     for mod, kwargs in FULL:
+        if mod.__name__.split(".")[-1] in skip:
+            print(f"\n=== {mod.__name__}: skipped")
+            continue
         t0 = time.perf_counter()
         print(f"\n=== {mod.__name__} {kwargs}")
         mod.main(**kwargs)
@@ -34,4 +38,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--skip", nargs="*", default=[], help="experiment names to leave out")
+    main(tuple(ap.parse_args().skip))
