@@ -75,7 +75,8 @@ def panel(parts, cfg: dict, dataset: str, requests: int, scale: float, policies,
 
 
 def sustainable(points: list[dict], policies) -> dict:
-    """Highest tested rate per policy within LIMIT x paged's lowest-rate latency; ratios."""
+    """Per policy, the highest tested rate up to which latency stays within LIMIT x paged's
+    lowest-rate latency (its knee); and paging's rate over each policy's."""
     ref = min((p for p in points if p["policy"] == "paged"), key=lambda p: p["rate"])
     bound = LIMIT * ref["normalized_latency"]
     best = {pol: _knee(sorted((p["rate"], p["normalized_latency"]) for p in points

@@ -146,6 +146,7 @@ class Engine:
         self.num_free = cc.usable_blocks  # the device free stack (cached-free not included)
         self.slot_live = np.zeros(cc.max_seqs, bool)
         self.stats: list[StepStats] = []
+        self.refused_steps = 0  # steps the device refused for lack of blocks (a planning bug)
         self._orders = itertools.count()
         self._arrivals = itertools.count()
         self._preempted_now = 0
@@ -245,6 +246,7 @@ class Engine:
         self._device_time = time.perf_counter() - t0
         self.num_free = int(out.num_free)
         if not out.ok:  # the estimate missed (should not happen): free memory, retry later
+            self.refused_steps += 1
             self._preempt(max(self.scheduler.running, key=lambda r: r.order))
             return []
         for seq, n in plan.chunks:

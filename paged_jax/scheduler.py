@@ -122,6 +122,7 @@ class Scheduler:
           The plan (possibly empty when nothing fits yet).
         """
         plan, budget, free = Plan(), self.config.max_num_batched_tokens, num_free
+        used = 0  # blocks this plan has already claimed (not yet taken on the device)
         k = self.config.block_size
         for want_decode in (True, False):
             for req in sorted(self.running, key=lambda r: r.order):
@@ -133,9 +134,12 @@ class Scheduler:
                         victim = self._victim(exclude=req, planned=plan)
                         if victim is None:
                             break
-                        free = preempt(victim)
+                        # preempt() reports the device's free count, which does not yet
+                        # know about the blocks planned above.
+                        free = preempt(victim) - used
                     if blocks_needed(seq, n, k) > free or req not in self.running:
                         continue
+                    used += blocks_needed(seq, n, k)
                     free -= blocks_needed(seq, n, k)
                     budget -= n
                     plan.chunks.append((seq, n))

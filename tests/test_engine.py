@@ -29,6 +29,7 @@ def test_forced_preemption_loses_nothing(batched_greedy, mode):
     eng = engine(num_kv_blocks=20, preemption_mode=mode)
     outs = run(eng, [(str(i), p, GREEDY) for i, p in enumerate(prompts(32))], check=True)
     assert sum(s.preempted for s in eng.stats) > 0, "the tiny cache should force preemption"
+    assert eng.refused_steps == 0, "the scheduler planned more blocks than were free"
     for i in range(32):
         assert tokens(outs, str(i)) == tokens(batched_greedy, str(i)), f"prompt {i}"
     assert all_free(eng)
@@ -142,3 +143,22 @@ def test_decode_window_matches_single_steps(batched_greedy):
     outs = run(engine(decode_window=1), [(str(i), p, GREEDY) for i, p in enumerate(prompts(8))])
     for i in range(8):
         assert tokens(outs, str(i)) == tokens(batched_greedy, str(i))
+
+
+def test_preemption_never_plans_more_blocks_than_are_free():
+    """A decode takes the last free block, the next decode preempts a request: the blocks the
+    preemption frees must be counted net of what the plan already claimed, or the device
+    refuses the step (and, before this was fixed, the engine could repeat it forever)."""
+    from paged_jax.workloads import make_workload
+
+    eng = engine(num_kv_blocks=17, max_model_len=64)
+    items = make_workload("alpaca", 24, float("inf"), eng.tokenizer, 0, 0.5, 64)
+    for w in items:
+        eng.add_request(w.request_id, {"prompt_token_ids": w.prompt_token_ids}, w.params())
+    steps = 0
+    while eng.has_unfinished() and steps < 1000:
+        eng.step()
+        steps += 1
+    assert not eng.has_unfinished() and sum(s.preempted for s in eng.stats) > 0
+    assert eng.refused_steps == 0
+    assert all_free(eng)

@@ -44,3 +44,4 @@ def test_random_mixes_keep_invariants_and_finish(reqs, tight):
         t += 1
     assert finished | aborted == {str(i) for i in range(len(reqs))}
     assert all_free(eng)
+    assert eng.refused_steps == 0, "the scheduler planned more blocks than were free"
