@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import time
 
 from experiments import (
@@ -26,18 +28,28 @@ FULL = [
 ]
 
 
-def main(skip: tuple[str, ...] = ()) -> None:
+def main(skip: tuple[str, ...] = (), only: str | None = None) -> None:
+    """Runs each experiment in a child process of its own: one process that compiles every
+    experiment's programs runs out of memory mappings for XLA's JIT code (LLVM "Cannot
+    allocate memory" after about an hour of experiments)."""
     for mod, kwargs in FULL:
-        if mod.__name__.split(".")[-1] in skip:
-            print(f"\n=== {mod.__name__}: skipped")
+        name = mod.__name__.split(".")[-1]
+        if only is not None:
+            if name == only:
+                mod.main(**kwargs)
+            continue
+        if name in skip:
+            print(f"\n=== {mod.__name__}: skipped", flush=True)
             continue
         t0 = time.perf_counter()
-        print(f"\n=== {mod.__name__} {kwargs}")
-        mod.main(**kwargs)
-        print(f"--- {mod.__name__}: {time.perf_counter() - t0:.0f} s")
+        print(f"\n=== {mod.__name__} {kwargs}", flush=True)
+        subprocess.run([sys.executable, "-m", "experiments.run_all", "--only", name], check=True)
+        print(f"--- {mod.__name__}: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip", nargs="*", default=[], help="experiment names to leave out")
-    main(tuple(ap.parse_args().skip))
+    ap.add_argument("--only", help="run just this experiment, in this process")
+    args = ap.parse_args()
+    main(tuple(args.skip), args.only)
