@@ -28,7 +28,7 @@ def main(full: bool = False) -> dict:
     bar = tqdm(desc="headline (engine steps)", unit="step", dynamic_ncols=True)
     mem = memory_breakdown.main(requests=48 if full else 32, name="headline_memory",
                                 progress=bar.update)
-    lat = latency_vs_rate.main(requests=200 if full else 96, measured_requests=0,
+    lat = latency_vs_rate.main(requests=200, measured_requests=0,
                                real_requests=0, datasets=("sharegpt",),
                                policies=memory_breakdown.POLICIES,
                                fractions=latency_vs_rate.FRACTIONS if full else HEADLINE_RATES,
