@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 
+import jax
+
 from experiments import serving as sv
 from experiments.common import pyplot, save_json, save_plot, table
 from paged_jax.metrics import latency_summary, throughput
@@ -43,6 +45,9 @@ def main(sizes=(16, 64), requests: int = 24, scale: float = 0.25, seed: int = 0,
     items = make_workload("sharegpt", requests, float("inf"), parts[2], seed, scale,
                           sv.TINY["max_model_len"])
     for bs in sizes:
+        # Each block size compiles its own programs; dropping the last size's keeps the
+        # process under the kernel's limit on memory mappings (LLVM's JIT aborts past it).
+        jax.clear_caches()
         for slots in (BIG, SLOTS):
             sv.warm_up(parts, {**sv.TINY, "block_size": bs, "num_kv_blocks": slots // bs + 1},
                        items=items)
