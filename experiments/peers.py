@@ -129,10 +129,15 @@ def plot(rows: list[dict], name: str):
     return save_plot(name, fig)
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def workload_args(description: str) -> argparse.ArgumentParser:
+    """The peers workload's command line (shared with experiments/peers_vllm.py)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--batch", type=int, default=16)
-    main(**vars(ap.parse_args()))
+    return ap
+
+
+if __name__ == "__main__":
+    main(**vars(workload_args(__doc__.splitlines()[0]).parse_args()))

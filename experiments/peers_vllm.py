@@ -14,7 +14,6 @@ numbers from results/peers.json when that file exists. Nothing is downloaded at 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -102,9 +101,6 @@ def _ours(path: Path, prompts: int, tokens: int) -> dict:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    ap.add_argument("--batch", type=int, default=16)
-    main(**vars(ap.parse_args()))
+    from experiments.peers import workload_args
+
+    main(**vars(workload_args(__doc__.splitlines()[0]).parse_args()))
