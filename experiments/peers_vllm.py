@@ -29,8 +29,9 @@ def export_hf_folder() -> Path:
     """The default GGUF as a Hugging Face safetensors folder (written once, then reused)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from paged_jax.compile_cache import cache_root
     from paged_jax.models import default_model_path
-    from paged_jax.models.param_cache import cache_root, fingerprint
+    from paged_jax.models.param_cache import fingerprint
 
     gguf = default_model_path()
     out = cache_root() / f"hf-export-{fingerprint([gguf])}"

@@ -9,31 +9,21 @@ GPU (paged_jax/cost_model.py); the engine still runs every step for real.
 
 Compilation. The first steps of a configuration compile (seconds on CPU); `warm_up` runs a
 short mixed workload first so no measured step compiles, and the persistent XLA cache
-(JAX_COMPILATION_CACHE_DIR, set by the Makefile and below) makes reruns fast.
+(paged_jax/compile_cache.py) makes reruns fast.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
-from pathlib import Path
 
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      str(Path(__file__).resolve().parents[1] / ".cache" / "xla"))
-
-import jax  # noqa: E402
-
-from paged_jax.cost_model import GpuCostModel  # noqa: E402
-from paged_jax.engine import Engine, EngineConfig  # noqa: E402
-from paged_jax.metrics import Timing, kv_snapshot  # noqa: E402
-from paged_jax.models.testing import byte_tokenizer, random_params, tiny_config  # noqa: E402
-from paged_jax.sampling_params import SamplingParams  # noqa: E402
-from paged_jax.workloads import WorkItem, text_prompt  # noqa: E402
-
-# Cache small compiles too: a serving run compiles dozens of step shapes of ~0.1-1 s each.
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
+from paged_jax.cost_model import GpuCostModel
+from paged_jax.engine import Engine, EngineConfig
+from paged_jax.metrics import Timing, kv_snapshot
+from paged_jax.models.testing import byte_tokenizer, random_params, tiny_config
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.workloads import WorkItem, text_prompt
 
 POLICIES = ("paged", "orca-oracle", "orca-pow2", "orca-max", "static")
 # One engine shape for the tiny-model experiments (compiled once, reused everywhere).

@@ -1,5 +1,6 @@
 """paged-jax: vLLM's PagedAttention as pure-functional JAX pytrees and Pallas kernels."""
 
+from paged_jax import compile_cache
 from paged_jax.config import CacheConfig
 from paged_jax.kv_cache import KVCache, copy_blocks, init_kv_cache, write
 from paged_jax.llm import LLM
@@ -15,6 +16,8 @@ from paged_jax.page_table import (
 )
 from paged_jax.pool import BlockPool, allocate, decref, incref, init_pool
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
+
+compile_cache.enable()  # importing compiles nothing; the first step will find the cache
 
 __all__ = [
     "LLM", "BeamSearchParams", "CompletionOutput", "RequestOutput", "SamplingParams",

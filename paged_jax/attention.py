@@ -9,8 +9,9 @@ Tokens past ``query_start[S]`` are padding and get zeros.
     decode:         num_q = 1 for every sequence                    (max_q = 1)
     chunked prefill: num_q = chunk, seq_lens = cached + chunk      (max_q = chunk bucket)
 
-Backends: "reference" (pure jnp, any platform) and "pallas" (kernels/, Triton on GPU,
-interpret mode elsewhere). `default_backend()` picks by platform.
+Backends: "reference" (pure jnp, any platform: the oracle every kernel is tested against),
+"pallas" (kernels/, Triton on GPU, interpret mode elsewhere) and "cpu" (kernels/cpu_attention:
+a C++ kernel through XLA's FFI, built on first use). `default_backend()` picks by platform.
 """
 
 from __future__ import annotations
@@ -18,14 +19,24 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels import cpu_attention
+from paged_jax import compile_cache
 from paged_jax.types import Array, Bool, Float, Int
 
-BACKENDS = ("reference", "pallas")
+BACKENDS = ("reference", "pallas", "cpu")
 
 
 def default_backend() -> str:
-    """"pallas" on GPU, "reference" elsewhere (interpret mode is for testing, not speed)."""
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+    """"pallas" on GPU; on CPU "cpu" when its kernel builds, else "reference" (Pallas
+    interpret mode is for testing, not speed)."""
+    if jax.default_backend() == "gpu":
+        return "pallas"
+    return "cpu" if cpu_kernel_available() else "reference"
+
+
+def cpu_kernel_available() -> bool:
+    """Whether the C++ CPU kernel is built and registered (builds it on the first call)."""
+    return cpu_attention.load(str(compile_cache.kernel_folder()))
 
 
 def paged_attention(
@@ -40,6 +51,7 @@ def paged_attention(
     backend: str = "reference",
     scale: float | None = None,
     max_q_rows: int | None = None,
+    decode_pages: int | None = None,
 ) -> Float[Array, "T Q D"]:
     """Causal attention of a ragged batch of queries over the paged KV cache.
 
@@ -50,11 +62,13 @@ def paged_attention(
       seq_lens: [S] context length per sequence including this step's tokens (0 = padding).
       query_start: [S + 1] offsets of each sequence's queries in q (cumulative, nondecreasing).
       max_q: static bound on any sequence's query count (1 for decode).
-      backend: "reference" or "pallas".
+      backend: "reference", "pallas" or "cpu".
       scale: softmax scale; default 1/sqrt(D).
       max_q_rows: static hint: only the first `max_q_rows` sequences may have more than one
         query (prefill chunks first, decodes after). The reference then pads only those rows
         to max_q; the Pallas kernels are ragged and ignore it. None: any row may.
+      decode_pages: static bound on the pages held by all single-query rows together (the
+        reference's flat page list, see `flat_decode_reference`); None: every row's P pages.
 
     Returns:
       [T, Q, D] attention output, zeros for padding tokens.
@@ -63,8 +77,15 @@ def paged_attention(
         scale = q.shape[-1] ** -0.5
     if backend == "reference":
         return _split_reference(
-            q, k_pages, v_pages, block_tables, seq_lens, query_start, max_q, scale, max_q_rows
+            q, k_pages, v_pages, block_tables, seq_lens, query_start, max_q, scale, max_q_rows,
+            decode_pages,
         )
+    if backend == "cpu":
+        if not cpu_kernel_available():
+            raise ValueError("attention backend 'cpu' needs its C++ kernel, which did not build "
+                             "(see the warning above); use backend='reference'")
+        return cpu_attention.paged_attention(
+            q, k_pages, v_pages, block_tables, seq_lens, query_start, scale=scale)
     if backend == "pallas":
         from kernels import dispatch  # kernels import paged_jax, not the other way at import time
 
@@ -80,21 +101,75 @@ QUERY_TILE = 16
 
 
 def _split_reference(q, k_pages, v_pages, block_tables, seq_lens, query_start, max_q, scale,
-                     max_q_rows):
-    """Reference on two row groups: long rows in query tiles, the rest one query per row."""
-    s = block_tables.shape[0]
-    if max_q == 1:
-        return ragged_reference(q, k_pages, v_pages, block_tables, seq_lens, query_start,
-                                max_q=1, scale=scale)
-    rows = s if max_q_rows is None else min(max_q_rows, s)
-    out = tiled_reference(q, k_pages, v_pages, block_tables[:rows], seq_lens[:rows],
-                          query_start[: rows + 1], max_q=max_q, scale=scale)
-    if rows == s:
-        return out
-    tail = ragged_reference(q, k_pages, v_pages, block_tables[rows:], seq_lens[rows:],
-                            query_start[rows:], max_q=1, scale=scale)
-    # Each output token belongs to exactly one group; the other group leaves it zero.
-    return out + tail
+                     max_q_rows, decode_pages):
+    """Reference on two row groups: long rows in query tiles, single-query rows on a flat
+    list of their pages."""
+    s, p = block_tables.shape
+    rows = 0 if max_q == 1 else s if max_q_rows is None else min(max_q_rows, s)
+    pages = (s - rows) * p if decode_pages is None else decode_pages
+    out = None
+    if rows:
+        out = tiled_reference(q, k_pages, v_pages, block_tables[:rows], seq_lens[:rows],
+                              query_start[: rows + 1], max_q=max_q, scale=scale)
+    if rows < s:
+        tail = flat_decode_reference(q, k_pages, v_pages, block_tables[rows:], seq_lens[rows:],
+                                     query_start[rows:], num_pages=pages, scale=scale)
+        # Each output token belongs to exactly one group; the other group leaves it zero.
+        out = tail if out is None else out + tail
+    return out
+
+
+def flat_decode_reference(
+    q: Float[Array, "T Q D"],
+    k_pages: Float[Array, "H N K D"],
+    v_pages: Float[Array, "H N K D"],
+    block_tables: Int[Array, "S P"],
+    seq_lens: Int[Array, "S"],
+    query_start: Int[Array, "S+1"],
+    *,
+    num_pages: int,
+    scale: float,
+) -> Float[Array, "T Q D"]:
+    """Attention of rows with at most one query each, over one flat list of their live pages.
+
+    Padding every row to the longest context makes a batch pay for its longest sequence S
+    times; here the pages of all rows are laid end to end (row r owns ceil(seq_lens[r] / K)
+    of them), gathered once, and the softmax is taken per row with segment reductions:
+
+        flat page j:   0 1 2 | 3 4 | 5 6 7 8 | pad ...      (num_pages, a static bucket)
+        row:           0 0 0 | 1 1 | 2 2 2 2 | S
+        scores [j, H, G, K] -> row max (segment_max) -> exp -> row sums (segment_sum)
+
+    Pages beyond `num_pages` would be silently dropped: the caller's bucket must cover the
+    sum of every row's pages (the engine computes it from the live lengths).
+    """
+    t, nq, d = q.shape
+    h, _, kb, _ = k_pages.shape
+    s, p = block_tables.shape
+    start = query_start[:-1]
+    has_q = query_start[1:] > start
+    lens = jnp.where(has_q, seq_lens, 0)
+    held = -(-lens // kb)
+    ends = jnp.cumsum(held)
+    j = jnp.arange(num_pages)
+    row = jnp.searchsorted(ends, j, side="right")  # [NP]; S marks a padding page
+    r = jnp.minimum(row, s - 1)
+    idx = j - (ends - held)[r]
+    page = jnp.where(row < s, block_tables[r, jnp.clip(idx, 0, p - 1)], 0)
+    valid = (row < s)[:, None] & (idx[:, None] * kb + jnp.arange(kb) < lens[r][:, None])
+    qr = q[jnp.clip(start, 0, t - 1)].reshape(s, h, nq // h, d)
+    keys = k_pages[:, page].astype(jnp.float32)  # [H, NP, K, D]
+    scores = jnp.einsum("phgd,hpkd->phgk", qr[r].astype(jnp.float32), keys) * scale
+    scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
+    mx = jax.ops.segment_max(scores.max(-1), row, num_segments=s + 1)  # [S + 1, H, G]
+    w = jnp.where(valid[:, None, None, :], jnp.exp(scores - mx[row][..., None]), 0.0)
+    total = jax.ops.segment_sum(w.sum(-1), row, num_segments=s + 1)[:s]
+    # 0 * NaN is NaN: slots past a row's end (stale or freed blocks) are zeroed, not weighted.
+    vals = jnp.where(valid[None, :, :, None], v_pages[:, page].astype(jnp.float32), 0.0)
+    out = jax.ops.segment_sum(jnp.einsum("phgk,hpkd->phgd", w, vals), row, num_segments=s + 1)
+    out = (out[:s] / jnp.maximum(total, 1e-30)[..., None]).reshape(s, nq, d)
+    dest = jnp.where(has_q, start, t)
+    return jnp.zeros((t, nq, d), q.dtype).at[dest].set(out.astype(q.dtype), mode="drop")
 
 
 def tiled_reference(

@@ -7,7 +7,7 @@
       and give the next top 2W per beam. Copy-on-write splits a shared last block on write.
 
 The host drives the loop (a beam decision needs every beam's candidates); each step's device
-work is the same jitted `run_step` the engine uses, with `num_top_logprobs = 2W`.
+work is the same jitted `run_step` the engine uses, returning the top 2W logprobs per row.
 """
 
 from __future__ import annotations
@@ -18,14 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax import batch as batch_lib
 from paged_jax import engine_io as io
 from paged_jax import page_table as pt
 from paged_jax.engine import Engine, _to_host
 from paged_jax.outputs import BeamSearchOutput, BeamSearchSequence
+from paged_jax.sampling import SampleFlags
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 from paged_jax.scheduler import Plan
 from paged_jax.sequence import Request, Sequence
-from paged_jax.step import decode_batch, release_slots, run_step
+from paged_jax.step import StepShape, decode_batch, release_slots, run_step
 
 _fork = jax.jit(pt.fork, donate_argnums=(0, 1))
 _add = jax.jit(pt.add_sequence, donate_argnums=(0,))
@@ -51,19 +53,20 @@ def beam_search(engine: Engine, prompt, params: BeamSearchParams) -> tuple[BeamS
     io.check_fits(SamplingParams(n=w, max_tokens=params.max_tokens, temperature=1.0), ids,
                   engine.config, engine.model_config)
     k = min(2 * w, engine.model_config.vocab_size)
-    cfg = dataclasses.replace(engine.step_cfg, num_top_logprobs=k)
+    flags = SampleFlags(random=False, filters=False, penalties=False, logprobs=True,
+                        num_top_logprobs=k)
     free = engine.scheduler.free_slots
     slots = [free.pop() for _ in range(w)]
     try:
-        return _search(engine, cfg, ids, slots, params)
+        return _search(engine, flags, ids, slots, params)
     finally:
         _release(engine, slots)
         free.extend(reversed(slots))
 
 
-def _search(engine, cfg, ids, slots, params) -> tuple[BeamSearchOutput, int]:
+def _search(engine, flags, ids, slots, params) -> tuple[BeamSearchOutput, int]:
     w, eos = params.beam_width, set(engine.model_config.eos_token_ids)
-    top = _prefill(engine, cfg, ids, slots[0])
+    top = _prefill(engine, flags, ids, slots[0])
     beams, done, peak = [_Beam(slots[0], [])], [], 0
     for step in range(params.max_tokens):
         cands = sorted(((b.cum + lp, b, t) for b in beams for t, lp in top[b.slot]),
@@ -81,24 +84,27 @@ def _search(engine, cfg, ids, slots, params) -> tuple[BeamSearchOutput, int]:
             break
         beams = _regroup(engine, chosen, slots)
         peak = max(peak, engine.config.num_kv_blocks - 1 - int(engine.state.pool.num_free))
-        top = _decode(engine, cfg, beams)
+        top = _decode(engine, flags, beams)
     return _output(engine, ids, done, params), peak
 
 
-def _prefill(engine, cfg, ids, slot) -> dict[int, list[tuple[int, float]]]:
+def _prefill(engine, flags, ids, slot) -> dict[int, list[tuple[int, float]]]:
     """Computes the prompt in slot `slot` (chunked); returns its top 2W next tokens."""
     engine.state = dataclasses.replace(engine.state, table=_add(engine.state.table, slot))
     req = Request("beam", None, ids, SamplingParams(temperature=0.0), 0.0, order=0)
     seq = Sequence(0, list(ids), len(ids), slot=slot, owner=req)
+    req.seqs = [seq]
+    eos, vocab = list(engine.model_config.eos_token_ids), engine.model_config.vocab_size
     out = None
     while seq.num_pending > 0:
         n = min(seq.num_pending, engine.config.max_num_batched_tokens)
-        batch, shapes, _ = io.build_batch(Plan(chunks=[(seq, n)]), engine.config)
-        engine.state, o = run_step(engine.params, engine.state, batch, cfg=cfg, **shapes)
+        batch, shape, _, _ = batch_lib.build_step(Plan(chunks=[(seq, n)]), engine.config, [],
+                                                  eos, vocab, engine.step_cfg.backend)
+        engine.state, o = run_step(engine.params, engine.state, batch, cfg=engine.step_cfg,
+                                   shape=dataclasses.replace(shape, flags=flags))
         out = _to_host(o)
         seq.num_computed += n
-    return {slot: list(zip(out.top_ids[slot].tolist(), out.top_logprobs[slot].tolist(),
-                           strict=True))}
+    return {slot: list(zip(out.top_ids[0].tolist(), out.top_logprobs[0].tolist(), strict=True))}
 
 
 def _regroup(engine, chosen, slots) -> list[_Beam]:
@@ -128,20 +134,26 @@ def _regroup(engine, chosen, slots) -> list[_Beam]:
     return beams
 
 
-def _decode(engine, cfg, beams) -> dict[int, list[tuple[int, float]]]:
+def _decode(engine, flags, beams) -> dict[int, list[tuple[int, float]]]:
     """Feeds each beam's newest token (a forced decode step); returns each beam's top 2W."""
-    s = engine.config.max_num_seqs
-    tokens, active = np.zeros(s, np.int32), np.zeros(s, bool)
-    for b in beams:
-        tokens[b.slot], active[b.slot] = b.tokens[-1], True
-    batch = decode_batch(jnp.asarray(tokens), jnp.asarray(active), engine.state.table.seq_lens)
-    engine.state, o = run_step(engine.params, engine.state, batch, cfg=cfg, max_q=1,
-                               max_q_rows=None, max_new_blocks=2)
+    r = batch_lib.next_pow2(len(beams))
+    row_slots, tokens = np.full(r, -1, np.int32), np.zeros(r, np.int32)
+    for i, b in enumerate(beams):
+        row_slots[i], tokens[i] = b.slot, b.tokens[-1]
+    ends = [int(n) + 1 for n in np.asarray(engine.state.table.seq_lens)[row_slots[:len(beams)]]]
+    ec = engine.config
+    # Forked beams share their last block until they write it: every row may copy.
+    shape = StepShape(max_q=1, max_copies=r, max_pages=batch_lib.page_bucket(max(ends), ec),
+                      decode_pages=batch_lib.decode_page_bucket(ends, ec, r), flags=flags)
+    batch = decode_batch(jnp.asarray(row_slots), jnp.asarray(tokens), jnp.asarray(row_slots >= 0),
+                         engine.state.table.seq_lens)
+    engine.state, o = run_step(engine.params, engine.state, batch, cfg=engine.step_cfg,
+                               shape=shape)
     out = _to_host(o)
     if not out.ok:
         raise RuntimeError("KV cache exhausted during beam search")
-    return {b.slot: list(zip(out.top_ids[b.slot].tolist(), out.top_logprobs[b.slot].tolist(),
-                             strict=True)) for b in beams}
+    return {b.slot: list(zip(out.top_ids[i].tolist(), out.top_logprobs[i].tolist(), strict=True))
+            for i, b in enumerate(beams)}
 
 
 def _release(engine, slots) -> None:

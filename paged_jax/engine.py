@@ -2,10 +2,11 @@
 
     add_request -> Scheduler.waiting
     step():  plan = Scheduler.schedule(...)          (host; may preempt)
-             admit: mark slots live, sampling rows, swap-ins
-             decode-only plan?  decode_window(...)    (W steps, one host sync)
-             otherwise          run_step(...)         (one ragged step)
-             read tokens once; detokenize; stop strings; release finished blocks
+             admissions: slots going live (swap-ins run first, in their own call)
+             decode-only plan?  decode_window(...)    (W steps over the running rows, one sync)
+             otherwise          run_step(...)         (one ragged step, admissions inside)
+             read the outputs once; per request: append tokens, detokenize once, stop
+             strings; release finished blocks
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax import batch as batch_lib
+from paged_jax import compile_cache
 from paged_jax import engine_io as io
 from paged_jax import engine_prefix as epc
 from paged_jax import page_table as pt
@@ -27,6 +30,7 @@ from paged_jax.attention import default_backend
 from paged_jax.config import CacheConfig
 from paged_jax.kv_cache import init_kv_cache
 from paged_jax.models import ModelConfig, Params, Tokenizer
+from paged_jax.models.llama import prepare_params
 from paged_jax.outputs import RequestMetrics, RequestOutput
 from paged_jax.pool import init_pool
 from paged_jax.prefix_cache import PrefixCache
@@ -121,7 +125,8 @@ class Engine:
 
     def __init__(self, config: ModelConfig, params: Params, tokenizer: Tokenizer,
                  engine_config: EngineConfig):
-        self.model_config, self.params, self.tokenizer = config, params, tokenizer
+        self.model_config, self.tokenizer = config, tokenizer
+        self.params = prepare_params(params)  # the forward's fast layout, built once
         self.config = ec = engine_config
         dtype = jax.tree.leaves(params)[0].dtype
         cc = ec.cache
@@ -134,7 +139,7 @@ class Engine:
         # Commit the state to the device now: jit keys on placement, so uncommitted initial
         # arrays would make the second step compile everything again.
         self.state = jax.device_put(self.state, jax.devices()[0])
-        self.step_cfg = StepConfig(config, ec.backend or default_backend(), ec.max_logprobs)
+        self.step_cfg = StepConfig(config, ec.backend or default_backend())
         self.scheduler = Scheduler(
             SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.block_size,
                             ec.admission, ec.max_skips),
@@ -147,10 +152,12 @@ class Engine:
         self.slot_live = np.zeros(cc.max_seqs, bool)
         self.stats: list[StepStats] = []
         self.refused_steps = 0  # steps the device refused for lack of blocks (a planning bug)
+        self.copy_hits: list[Sequence] = []  # prefix hits whose last cached block is copied
         self._orders = itertools.count()
         self._arrivals = itertools.count()
         self._preempted_now = 0
         self._device_time = 0.0
+        self._programs = 0  # compiled step programs seen after the last step
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -195,21 +202,30 @@ class Engine:
             self._record(t0, "idle", 0, 0)
             return []
         epc.make_room(self, plan)  # before swap-ins, which allocate from the free stack
-        self._admit(plan)
+        admits = self._admissions(plan)
         # A one-token prompt of an n > 1 request looks like a decode but must fork: ragged step.
         forks = any(s.owner.params.n > 1 and not s.owner.forked for s, _ in plan.chunks)
-        if plan.decode_only and self.config.decode_window > 1 and not self._can_admit() \
-                and not forks:
+        if plan.decode_only and self.config.decode_window > 1 and not admits and not forks \
+                and not self._can_admit():
             touched, steps = self._run_window(plan)
             self._record(t0, "window", steps * len(plan.chunks), steps)
         else:
-            touched = self._run_step(plan)
+            touched = self._run_step(plan, admits)
             self._record(t0, "step", plan.num_tokens, 1)
+        self._watch_programs()
         outs = [self._output(r) for r in touched]
         for r in touched:
             if r.finished:
                 self.requests.pop(r.request_id, None)
         return outs
+
+    def _watch_programs(self) -> None:
+        """After a step that compiled a new program, keeps the process under the kernel's
+        limit on memory mappings (compile_cache.relieve_jit_mappings)."""
+        programs = run_step._cache_size() + decode_window._cache_size()
+        if programs != self._programs and compile_cache.relieve_jit_mappings():
+            programs = 0
+        self._programs = programs
 
     def _can_admit(self) -> bool:
         """Whether a waiting request could join now (then a window would delay it)."""
@@ -218,30 +234,35 @@ class Engine:
             r.seqs[0].slot >= 0 or sch.free_slots for r in sch.waiting) and (
             sch.policy.admits(sch.waiting[0], sch.running, sch.waiting))  # baselines may refuse
 
-    def _admit(self, plan: Plan) -> None:
-        now = time.time()
+    def _admissions(self, plan: Plan) -> list[batch_lib.Admit]:
+        """Slots the plan brings live; swapped-out sequences are restored here, the others
+        travel in the step's batch."""
+        now, new = time.time(), set()
         for req in plan.admitted:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
                 req.metrics.time_in_queue = now - req.arrival_time
-                seed = self.config.seed * 1_000_003 + next(self._arrivals)
-                self.state = dataclasses.replace(self.state, sampling=smp.set_slot(
-                    self.state.sampling, req.seqs[0].slot, req.params, req.prompt_token_ids,
-                    list(self.model_config.eos_token_ids), seed))
+                new.add(id(req))
+        admits = []
         for seq, _ in plan.chunks:
-            if not self.slot_live[seq.slot]:
-                self.state = dataclasses.replace(
-                    self.state, table=pt.add_sequence(self.state.table, seq.slot))
-                self.slot_live[seq.slot] = True
-                if seq.swapped is not None:
-                    self.state, self.num_free = io.swap_in(self.state, seq)
-                if seq.prefix_hit is not None:
-                    epc.attach(self, seq)
+            if self.slot_live[seq.slot]:
+                continue
+            self.slot_live[seq.slot] = True
+            if seq.swapped is not None:
+                self.state, self.num_free = io.swap_in(self.state, seq)
+                continue
+            fresh = id(seq.owner) in new and seq.index == 0
+            seed = self.config.seed * 1_000_003 + next(self._arrivals) if fresh else 0
+            admits.append(batch_lib.Admit(seq, fresh, seed, epc.take_hit(self, seq)))
+        return admits
 
-    def _run_step(self, plan: Plan) -> list[Request]:
-        batch, shapes, forks = io.build_batch(plan, self.config)
+    def _run_step(self, plan: Plan, admits: list[batch_lib.Admit]) -> list[Request]:
+        batch, shape, forks, rows = batch_lib.build_step(
+            plan, self.config, admits, list(self.model_config.eos_token_ids),
+            self.model_config.vocab_size, self.step_cfg.backend)
         t0 = time.perf_counter()
-        self.state, out = run_step(self.params, self.state, batch, cfg=self.step_cfg, **shapes)
+        self.state, out = run_step(self.params, self.state, batch, cfg=self.step_cfg,
+                                   shape=shape)
         out = _to_host(out)
         self._device_time = time.perf_counter() - t0
         self.num_free = int(out.num_free)
@@ -251,7 +272,17 @@ class Engine:
             return []
         for seq, n in plan.chunks:
             seq.num_computed += n
+            seq.maybe_shared_last = False  # written: its last block is its own (forks below)
         epc.register(self, [(s, s.num_computed - n) for s, n in plan.chunks])
+        self._forked(forks)
+        finished = []
+        for i, seq in enumerate(rows):
+            if out.sampled[i] and self._emit(seq, out, i, 1)[1]:
+                finished.append(seq)
+        return self._touched(plan, finished)
+
+    def _forked(self, forks: list[tuple[Sequence, list[Sequence]]]) -> None:
+        """Host bookkeeping of the children a step created (their slots are live now)."""
         for parent, children in forks:
             shared = parent.num_computed % self.config.block_size != 0
             parent.maybe_shared_last = shared
@@ -260,76 +291,72 @@ class Engine:
                 c.maybe_shared_last = shared
                 self.slot_live[c.slot] = True
             parent.owner.forked = True
-        finished = []
-        for seq in [s for s, _ in plan.chunks] + [c for _, cs in forks for c in cs]:
-            if out.sampled[seq.slot]:
-                self._append(seq, out, None, finished)
-        return self._touched(plan, finished)
 
     def _run_window(self, plan: Plan) -> tuple[list[Request], int]:
-        s = self.config.max_num_seqs
-        tokens, active = np.zeros(s, np.int32), np.zeros(s, bool)
-        for seq, _ in plan.chunks:
-            tokens[seq.slot], active[seq.slot] = seq.tokens[-1], True
-        w = self.config.decode_window
-        longest = max(seq.num_computed for seq, _ in plan.chunks) + w
+        row_slots, tokens, shape, rows = batch_lib.build_window(plan, self.config,
+                                                                self.step_cfg.backend)
         t0 = time.perf_counter()
-        self.state, out = decode_window(self.params, self.state, jnp.asarray(tokens),
-                                        jnp.asarray(active), cfg=self.step_cfg, window=w,
-                                        max_pages=io.page_bucket(longest, self.config))
+        self.state, out = decode_window(self.params, self.state, jnp.asarray(row_slots),
+                                        jnp.asarray(tokens), cfg=self.step_cfg,
+                                        window=self.config.decode_window, shape=shape)
         out = _to_host(out)
         self._device_time = time.perf_counter() - t0
         self.num_free = int(out.num_free)
-        steps, finished = int(out.steps), []
-        done = set()
-        before = [(seq, seq.num_computed) for seq, _ in plan.chunks]
-        for i in range(steps):
-            for seq, _ in plan.chunks:
-                if out.valid[i, seq.slot] and id(seq) not in done:
-                    seq.num_computed += 1
-                    if self._append(seq, out, i, finished):
-                        done.add(id(seq))
+        before = [(seq, seq.num_computed) for seq in rows]
+        finished = []
+        for i, seq in enumerate(rows):
+            used, done = self._emit(seq, out, i, int(out.valid[:, i].sum()))
+            seq.num_computed += used
+            seq.maybe_shared_last &= not used  # written: its last block is its own
+            if done:
+                finished.append(seq)
         epc.register(self, before)
-        return self._touched(plan, finished), steps
+        return self._touched(plan, finished), int(out.steps)
 
     # ---- outputs -------------------------------------------------------------------------
-    def _append(self, seq: Sequence, out, i: int | None, finished: list) -> bool:
-        """Appends one sampled token; returns True when the sequence finished."""
-        pick = (lambda a: a[seq.slot]) if i is None else (lambda a: a[i, seq.slot])
-        req = self._req_of(seq)
-        tok = int(pick(out.tokens))
-        seq.tokens.append(tok)
-        seq.cumulative_logprob += float(pick(out.logprobs))
-        if req.params.logprobs is not None:
-            seq.logprobs.append(io.logprob_entry(tok, pick(out.logprobs), pick(out.top_ids),
-                                                 pick(out.top_logprobs), req.params.logprobs))
+    def _emit(self, seq: Sequence, out, row: int, count: int) -> tuple[int, bool]:
+        """Appends the `count` tokens row `row` sampled (one step's, or one window's).
+
+        `out` is a host StepOut (fields [R]) or WindowOut (fields [W, R]). Detokenizes once
+        for the lot, except for requests with stop strings, which are checked after every
+        token (the text must end at the first hit). Returns (tokens taken, finished).
+        """
+        take = (lambda a: a[row:row + 1]) if out.tokens.ndim == 1 else (lambda a: a[:count, row])
+        toks = take(out.tokens).tolist()
+        if not toks:
+            return 0, False
+        req, params = seq.owner, seq.owner.params
         now = time.time()
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         req.metrics.last_token_time = now
-        dev_done = bool(pick(out.finished)) if i is None else self._finished_at(out, i, seq)
-        reason = io.finish_reason(int(out.reason[seq.slot]), tok) if dev_done else None
-        io.detokenize(seq, req.params, self.tokenizer)
-        hit = io.stop_string(seq, req.params)
-        if hit is not None:
-            reason = ("stop", hit)
-        if reason is None:
-            return False
-        seq.finish_reason, seq.stop_reason = reason
-        finished.append(seq)
-        return True
+        lps = take(out.logprobs)
+        entries = [io.logprob_entry(t, lp, ti, tl, params.logprobs) for t, lp, ti, tl in zip(
+            toks, lps, take(out.top_ids), take(out.top_logprobs), strict=True)] \
+            if params.logprobs is not None else None
+        steps = [len(toks)] if not params.stop else [1] * len(toks)
+        taken = 0
+        for n in steps:  # one pass, or one per token when stop strings must be checked
+            seq.tokens += toks[taken:taken + n]
+            seq.cumulative_logprob += float(lps[taken:taken + n].sum())
+            if entries is not None:
+                seq.logprobs += entries[taken:taken + n]
+            taken += n
+            io.detokenize(seq, params, self.tokenizer)
+            hit = io.stop_string(seq, params)
+            if hit is not None:
+                seq.finish_reason, seq.stop_reason = "stop", hit
+                return taken, True
+        if not out.finished[row]:
+            return taken, False
+        seq.finish_reason, seq.stop_reason = io.finish_reason(int(out.reason[row]), toks[-1])
+        return taken, True
 
     def _touched(self, plan: Plan, finished: list[Sequence]) -> list[Request]:
         """Requests with news after a step: finished ones (released now) and those that ran."""
         touched = self._finish(finished)
         return touched + [r for r in self._reqs_of([s for s, _ in plan.chunks])
                           if r not in touched]
-
-    @staticmethod
-    def _finished_at(out, i: int, seq: Sequence) -> bool:
-        """In a window, a sequence stops at its last valid step if the device finished it."""
-        last = i + 1 >= out.valid.shape[0] or not out.valid[i + 1, seq.slot]
-        return bool(out.finished[seq.slot]) and last
 
     def _finish(self, finished: list[Sequence]) -> list[Request]:
         self._release(finished)

@@ -1,4 +1,4 @@
-"""Host-side helpers of the engine: prompt checks, batch building, swapping, detokenization.
+"""Host-side helpers of the engine: prompt checks, swapping, detokenization.
 
 Kept apart from engine.py so the engine reads as the step loop and nothing else.
 """
@@ -12,26 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax import kv_cache as kv_lib
 from paged_jax import page_table as pt
 from paged_jax import sampling as smp
 from paged_jax.models import ModelConfig, Tokenizer
 from paged_jax.outputs import Logprob
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.scheduler import Plan
 from paged_jax.sequence import Sequence
-from paged_jax.step import EngineState, StepBatch
+from paged_jax.step import EngineState
 from paged_jax.types import Array, Float, Int
-
-
-def pow2(n: int, lo: int = 1) -> int:
-    """Smallest power of two >= max(n, lo): the shape buckets."""
-    return 1 << (max(n, lo) - 1).bit_length()
-
-
-def page_bucket(num_tokens: int, ec) -> int:
-    """Static page count covering `num_tokens` tokens: a power of two, at most P."""
-    p = -(-ec.max_model_len // ec.block_size)
-    return min(pow2(-(-num_tokens // ec.block_size), max(4, p // 4)), p)
 
 
 # ---- admission checks ------------------------------------------------------------------------
@@ -89,61 +78,13 @@ def check_fits(params: SamplingParams, ids: list[int], ec, mc: ModelConfig) -> S
     return params
 
 
-# ---- batch building --------------------------------------------------------------------------
-def build_batch(plan: Plan, ec) -> tuple[StepBatch, dict, list]:
-    """Pads a plan into a StepBatch: long chunks first, then single tokens (decodes)."""
-    chunks = sorted(plan.chunks, key=lambda c: c[1] == 1)
-    s, k = ec.max_num_seqs, ec.block_size
-    total = sum(n for _, n in chunks)
-    num_long = sum(1 for _, n in chunks if n > 1)
-    # Few shapes, few compiles: decode-only steps use S tokens; steps with chunks use one of
-    # two token buckets (budget/4, budget), and 1, 4 or S long rows (see max_q below).
-    top = pow2(ec.max_num_batched_tokens)
-    t = pow2(total, max(8, top // 4)) if num_long else pow2(s, 8)
-    t = top if num_long and t > top // 4 else t
-    tok = np.zeros(t, np.int32)
-    pos = np.zeros(t, np.int32)
-    rows_of = np.full(t, -1, np.int32)
-    row_slots = np.full(s, -1, np.int32)
-    qs = np.zeros(s + 1, np.int32)
-    num_new = np.zeros(s, np.int32)
-    sample = np.zeros(s, bool)
-    forks, o = [], 0
-    for r, (seq, n) in enumerate(chunks):
-        a = seq.num_computed
-        tok[o:o + n], pos[o:o + n], rows_of[o:o + n] = seq.tokens[a:a + n], np.arange(a, a + n), r
-        row_slots[r], num_new[seq.slot] = seq.slot, n
-        o += n
-        qs[r + 1] = o
-        sample[seq.slot] = a + n == len(seq.tokens)
-        req = seq.owner
-        if sample[seq.slot] and req.params.n > 1 and not req.forked and seq.index == 0:
-            forks.append((seq, req.seqs[1:]))
-    qs[len(chunks) + 1:] = o
-    children = [(p.slot, c.slot, c.index) for p, cs in forks for c in cs]
-    f = pow2(len(children))
-    fs, fd, fi = (np.full(f, -1, np.int32) for _ in range(3))
-    for j, (a, b, c) in enumerate(children):
-        fs[j], fd[j], fi[j] = a, b, c
-    batch = StepBatch(*(jnp.asarray(x) for x in (tok, pos, rows_of, row_slots, qs, num_new,
-                                                    sample, fs, fd, fi)))
-    # Queries per long row: the whole bucket, or an eighth of it when every chunk is short
-    # (many small prefill chunks, e.g. after prefix-cache hits: the reference pads each row).
-    longest = max(n for _, n in chunks)
-    max_q = 1 if not num_long else max(1, t // 8) if longest <= t // 8 else t
-    pages = max(seq.num_computed + n for seq, n in chunks)
-    rows = None if not num_long else 1 if num_long == 1 else 4 if num_long <= 4 else s
-    shapes = dict(max_q=max_q, max_q_rows=min(rows, s) if rows else None,
-                  max_new_blocks=pow2(-(-max_q // k) + 1), max_pages=page_bucket(pages, ec))
-    return batch, shapes, forks
-
-
 # ---- swapping --------------------------------------------------------------------------------
 def swap_out(state: EngineState, seq: Sequence) -> tuple[np.ndarray, np.ndarray]:
     """Host copies of the K/V blocks a sequence holds (before its blocks are freed)."""
     held = -(-seq.num_computed // state.table.block_size)
     blocks = np.asarray(state.table.block_tables[seq.slot])[:held]
-    return np.asarray(state.cache.k[:, :, blocks]), np.asarray(state.cache.v[:, :, blocks])
+    k, v = kv_lib.read_blocks(state.cache, jnp.asarray(blocks))
+    return np.asarray(k), np.asarray(v)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -152,17 +93,14 @@ def _restore(
     k: Float[Array, "L H P K D"], v: Float[Array, "L H P K D"],
 ) -> EngineState:
     num_new = jnp.zeros_like(state.table.seq_lens).at[slot].set(n_tokens)
-    pool, table, _, _ = pt.reserve_slots(state.pool, state.table, num_new)
-    blocks = table.block_tables[slot]
-    dst = jnp.where(blocks != 0, blocks, state.cache.num_blocks)
-    cache = dataclasses.replace(
-        state.cache, k=state.cache.k.at[:, :, dst].set(k.astype(state.cache.k.dtype), mode="drop"),
-        v=state.cache.v.at[:, :, dst].set(v.astype(state.cache.v.dtype), mode="drop"))
+    table = pt.add_sequence(state.table, slot)
+    pool, table, _, _ = pt.reserve_slots(state.pool, table, num_new)
+    cache = kv_lib.write_blocks(state.cache, table.block_tables[slot], k, v)
     return EngineState(pool, table, cache, state.sampling)
 
 
 def swap_in(state: EngineState, seq: Sequence) -> tuple[EngineState, int]:
-    """Allocates blocks for a swapped-out sequence (its slot already live) and restores K/V."""
+    """Brings a swapped-out sequence's slot live again: allocates its blocks, restores K/V."""
     k, v = seq.swapped
     p = state.table.max_blocks_per_seq
     pad = [(0, 0), (0, 0), (0, p - k.shape[2]), (0, 0), (0, 0)]

@@ -2,7 +2,8 @@
 
     schedule(free = device free stack + cached-free)   the scheduler counts evictable as free
     make_room        evict LRU cached-free blocks if the device free stack is short of the plan
-    attach           a hit's blocks go into the admitted slot's row (refcount + 1)
+    take_hit         the hit chosen at admission, for the step's Admissions (the step puts its
+                     blocks into the admitted slot's row, refcount + 1)
     <step>
     register         newly filled full blocks get hashes; the new ones are marked cached
     after_release    cached blocks whose refcount reached 0 join the LRU queue (leaf first)
@@ -19,20 +20,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import page_table as pt
 from paged_jax import pool as pool_lib
-from paged_jax.engine_io import pow2
+from paged_jax.batch import next_pow2
+from paged_jax.prefix_cache import Hit
 from paged_jax.scheduler import Plan, blocks_needed
 from paged_jax.sequence import Sequence
 
-_attach = jax.jit(pt.attach_prefix, donate_argnums=(0, 1))
 _mark = jax.jit(pool_lib.mark_cached, donate_argnums=(0,))
 _evict = jax.jit(pool_lib.evict, donate_argnums=(0,))
 
 
 def _ids(ids: list[int]) -> jax.Array:
     """Block ids padded with the zero block to a power of two >= 8 (few compiled shapes)."""
-    out = np.zeros(pow2(len(ids), 8), np.int32)
+    out = np.zeros(next_pow2(len(ids), 8), np.int32)
     out[: len(ids)] = ids
     return jnp.asarray(out)
 
@@ -61,18 +61,14 @@ def make_room(eng, plan: Plan) -> None:
         eng.num_free += len(ids)
 
 
-def attach(eng, seq: Sequence) -> None:
-    """Puts the hit chosen at admission into seq's (live, empty) slot."""
+def take_hit(eng, seq: Sequence) -> Hit | None:
+    """The hit chosen for seq at admission (the step attaches it on the device)."""
     hit, seq.prefix_hit = seq.prefix_hit, None
-    row = np.zeros(eng.state.table.max_blocks_per_seq, np.int32)
-    row[: len(hit.blocks)] = hit.blocks
-    pool, table = _attach(eng.state.pool, eng.state.table, jnp.asarray(seq.slot),
-                          jnp.asarray(row), jnp.asarray(hit.num_tokens))
-    eng.state = dataclasses.replace(eng.state, pool=pool, table=table)
-    if hit.num_tokens % eng.config.block_size:
+    if hit is not None and hit.num_tokens % eng.config.block_size:
         # The step copies the last cached block; the copy is then private, and the cached
         # block may drop to refcount 0 (queued for eviction after the step).
-        eng._copy_hits = [*getattr(eng, "_copy_hits", []), seq]
+        eng.copy_hits.append(seq)
+    return hit
 
 
 def register(eng, done: list[tuple[Sequence, int]]) -> None:
@@ -87,7 +83,7 @@ def register(eng, done: list[tuple[Sequence, int]]) -> None:
         new = [b for s, lo, hi in todo for b in eng.prefix.register(s, lo, hi, rows[s.slot])]
         if new:
             eng.state = dataclasses.replace(eng.state, pool=_mark(eng.state.pool, _ids(new)))
-    copied, eng._copy_hits = getattr(eng, "_copy_hits", []), []
+    copied, eng.copy_hits = eng.copy_hits, []
     for s in copied:
         s.maybe_shared_last = False  # its last block is private now (a fork may set it again)
     if copied:

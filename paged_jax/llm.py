@@ -10,8 +10,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence as Seq
 
+import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
+from tqdm.std import tqdm as std_tqdm
 
 from paged_jax.beam_search import beam_search
 from paged_jax.engine import Engine, EngineConfig
@@ -20,7 +22,26 @@ from paged_jax.models import load_model
 from paged_jax.outputs import BeamSearchOutput, RequestOutput
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "auto": jnp.float32}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def resolve_dtype(dtype: str) -> str:
+    """"auto" is the fastest correct choice for the platform: bfloat16 on accelerators;
+    float32 on CPU, where XLA's bf16 dots and conversions run 2-6x slower than fp32 ones
+    (`make bench` measures it), so bf16 checkpoints are served exactly upcast to fp32."""
+    if dtype == "auto":
+        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+def _bar_off(use_tqdm: bool) -> bool | None:
+    """tqdm's `disable`: off when not asked; in a terminal, off when stderr is not a TTY
+    (None: logs and CI output get no carriage-return spam); on in notebooks (widgets)."""
+    if not use_tqdm:
+        return True
+    return None if tqdm is std_tqdm else False
 
 
 class LLM:
@@ -34,11 +55,12 @@ class LLM:
       max_num_seqs: most sequences per step.
       max_num_batched_tokens: token budget per step.
       max_model_len: longest prompt + output; default min(model's, 2048).
-      dtype: "float32" (CPU default) or "bfloat16".
+      dtype: "auto" (float32 on CPU, bfloat16 on GPU: `resolve_dtype`), "float32" or
+        "bfloat16" (weights, activations and KV cache).
       seed: engine seed for requests without their own.
       preemption_mode: "recompute" or "swap".
       decode_window: decode steps per device call when only decodes run.
-      attention_backend: "reference" or "pallas"; None picks by platform.
+      attention_backend: "reference", "pallas" or "cpu"; None picks by platform.
       max_logprobs: the most logprobs a request may ask for.
       enable_prefix_caching: reuse cached KV blocks of shared prompt prefixes (vLLM default).
       model_parts: (config, params, tokenizer) to use instead of loading `model`.
@@ -47,7 +69,7 @@ class LLM:
     def __init__(
         self, model: str | None = None, *, block_size: int = 16, num_kv_blocks: int | None = None,
         kv_cache_memory: int = 1 << 30, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
-        max_model_len: int | None = None, dtype: str = "float32", seed: int = 0,
+        max_model_len: int | None = None, dtype: str = "auto", seed: int = 0,
         preemption_mode: str = "recompute", decode_window: int = 8,
         attention_backend: str | None = None, max_logprobs: int = 20, model_parts=None,
         enable_prefix_caching: bool = True,
@@ -55,8 +77,7 @@ class LLM:
     ):
         if unsupported:
             raise TypeError(f"LLM() got unsupported arguments: {sorted(unsupported)}")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        dtype = resolve_dtype(dtype)
         t0 = time.perf_counter()
         config, params, tok = model_parts or load_model(model, DTYPES[dtype])
         self.load_time = time.perf_counter() - t0
@@ -138,7 +159,7 @@ class LLM:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         outs = []
-        for p in tqdm(list(prompts), disable=not use_tqdm, desc="Beam search"):
+        for p in tqdm(list(prompts), disable=_bar_off(use_tqdm), desc="Beam search"):
             out, peak = beam_search(self.llm_engine, p, params)
             self.last_beam_peak_blocks = peak
             outs.append(out)
@@ -146,7 +167,7 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=_bar_off(use_tqdm),
                    unit="req", dynamic_ncols=True)
         t0, n_out = time.perf_counter(), 0
         while len(done) < len(ids):

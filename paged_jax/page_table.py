@@ -71,6 +71,17 @@ def add_sequence(table: PageTable, slot: Int[Array, ""] | int) -> PageTable:
     )
 
 
+def add_sequences(table: PageTable, slots: Int[Array, "A"]) -> PageTable:
+    """`add_sequence` for several slots at once; slots < 0 are padding."""
+    dest = jnp.where(slots >= 0, slots, table.live.shape[0])  # index S is dropped
+    return dataclasses.replace(
+        table,
+        block_tables=table.block_tables.at[dest].set(NULL_BLOCK, mode="drop"),
+        seq_lens=table.seq_lens.at[dest].set(0, mode="drop"),
+        live=table.live.at[dest].set(True, mode="drop"),
+    )
+
+
 def release(
     pool: BlockPool, table: PageTable, slots: Bool[Array, "S"]
 ) -> tuple[BlockPool, PageTable]:
@@ -192,6 +203,25 @@ def attach_prefix(
         table,
         block_tables=table.block_tables.at[slot].set(blocks),
         seq_lens=table.seq_lens.at[slot].set(num_tokens),
+    )
+    return pool, table
+
+
+def attach_prefixes(
+    pool: BlockPool, table: PageTable, slots: Int[Array, "A"], blocks: Int[Array, "A P"],
+    num_tokens: Int[Array, "A"],
+) -> tuple[BlockPool, PageTable]:
+    """`attach_prefix` for several live, empty slots at once; slots < 0 are padding.
+
+    A row of all-zero blocks with num_tokens 0 (no hit) changes nothing but the zero length.
+    """
+    valid = slots >= 0
+    dest = jnp.where(valid, slots, table.live.shape[0])
+    pool = pool_lib.incref(pool, jnp.where(valid[:, None], blocks, NULL_BLOCK))
+    table = dataclasses.replace(
+        table,
+        block_tables=table.block_tables.at[dest].set(blocks, mode="drop"),
+        seq_lens=table.seq_lens.at[dest].set(num_tokens, mode="drop"),
     )
     return pool, table
 

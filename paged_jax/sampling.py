@@ -1,7 +1,8 @@
 """Per-sequence sampling state as arrays, and the pure, jittable sampler that reads it.
 
 One row per sequence slot (S) and one column per vocabulary entry (V). Extra axis letters:
-M = padded width of the stop-token / EOS id lists (-1 = padding), R = top logprobs returned.
+M = padded width of the stop-token / EOS id lists (-1 = padding), J = top logprobs returned,
+A = admitted requests, B = rows of a step.
 
     raw logits [S, V] --log_softmax--> logprobs returned to the user (vLLM v1's default)
         |
@@ -13,11 +14,16 @@ M = padded width of the stop-token / EOS id lists (-1 = padding), R = top logpro
 
 Determinism: row s draws with `fold_in(key[s], num_generated[s])` and its own logits only, so
 a request's tokens do not depend on which slot it sits in or who shares the batch.
+
+Cost. A step samples only the rows it runs (`rows_view` gathers their slots), and pays only
+for the features some request in it asked for (`SampleFlags`, static): a greedy batch is an
+argmax plus one log-sum-exp, with no sort, no random draw, no [S, V] history read or written.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +36,47 @@ from paged_jax.types import Array, Bool, Float, Int
 KEY_IMPL = "threefry2x32"
 """Keys are stored as raw threefry data, [S, 2] uint32, so the state is a plain-array pytree."""
 
+MAX_STOP_IDS = 8
+"""M: the most stop token ids (and EOS ids) one request may carry."""
+
 NO_LIMIT = 2**30
 """max_tokens of a request that set none: the engine stops it at the model's context length."""
 
 FINISH_NONE, FINISH_LENGTH, FINISH_EOS, FINISH_STOP_TOKEN = 0, 1, 2, 3
 """Reasons returned by `stop_mask`: length -> "length"; EOS and stop ids -> "stop"."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleFlags:
+    """Which sampler features a step needs (static: part of the step's jit key).
+
+    Attributes:
+      random: some row has temperature > 0 (else every row is an argmax).
+      filters: some row uses top_k / top_p / min_p (a sort of its row).
+      penalties: some row uses a repetition / frequency / presence penalty; only then is the
+        [S, V] history (prompt mask, output counts) read, reset at admission and updated.
+      logprobs: some row wants its tokens' logprobs (a log-sum-exp over V per row); without
+        it the returned logprobs are 0, as vLLM reports none (cumulative_logprob None).
+      num_top_logprobs: J, top logprobs returned per row (0: none).
+    """
+
+    random: bool = True
+    filters: bool = True
+    penalties: bool = True
+    logprobs: bool = True
+    num_top_logprobs: int = 0
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], num_top_logprobs: int) -> SampleFlags:
+        """The flags a step over requests with `params` needs (J when any asks logprobs)."""
+        return cls(
+            random=any(p.temperature > 0 for p in params),
+            filters=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0)
+                        for p in params),
+            penalties=any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                          or p.presence_penalty != 0.0 for p in params),
+            logprobs=any(p.logprobs is not None for p in params),
+            num_top_logprobs=num_top_logprobs if any(p.logprobs for p in params) else 0)
 
 
 @jax.tree_util.register_dataclass
@@ -96,18 +138,20 @@ class SampleResult:
       tokens: [S] sampled token ids.
       logprobs: [S] log-probability of the sampled token under the raw model distribution.
       ranks: [S] 1-based rank of the sampled token in that distribution.
-      top_ids: [S, R] ids of the R most likely tokens (raw distribution), best first.
-      top_logprobs: [S, R] their log-probabilities.
+      top_ids: [S, J] ids of the J most likely tokens (raw distribution), best first.
+      top_logprobs: [S, J] their log-probabilities.
     """
 
     tokens: Int[Array, "S"]
     logprobs: Float[Array, "S"]
     ranks: Int[Array, "S"]
-    top_ids: Int[Array, "S R"]
-    top_logprobs: Float[Array, "S R"]
+    top_ids: Int[Array, "S J"]
+    top_logprobs: Float[Array, "S J"]
 
 
-def init_sampling_state(max_seqs: int, vocab_size: int, max_stop_ids: int = 8) -> SamplingState:
+def init_sampling_state(
+    max_seqs: int, vocab_size: int, max_stop_ids: int = MAX_STOP_IDS
+) -> SamplingState:
     """A state of `max_seqs` idle slots: greedy, no penalties, no stop ids.
 
     Args:
@@ -130,6 +174,109 @@ def init_sampling_state(max_seqs: int, vocab_size: int, max_stop_ids: int = 8) -
         ignore_eos=jnp.zeros((s,), bool),
         stop_ids=jnp.full((s, m), -1, jnp.int32), eos_ids=jnp.full((s, m), -1, jnp.int32),
     )
+
+
+PARAM_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
+                "frequency_penalty", "repetition_penalty", "key", "min_tokens", "max_tokens",
+                "ignore_eos", "stop_ids", "eos_ids")
+"""The per-request fields of SamplingState, written at admission (the rest is history)."""
+HISTORY_FIELDS = ("prompt_mask", "output_counts")
+
+
+def rows_view(state: SamplingState, slots: Int[Array, "B"], history: bool) -> SamplingState:
+    """The state of the slots a step runs, one row each (slot < 0: a padding row).
+
+    Without `history` the [S, V] arrays are not gathered (their view is [B, 0]): only
+    penalties read them.
+    """
+    s = jnp.clip(slots, 0)
+    rows = {f.name: getattr(state, f.name)[s] for f in dataclasses.fields(state)
+            if history or f.name not in HISTORY_FIELDS}
+    for name in HISTORY_FIELDS if not history else ():
+        rows[name] = jnp.zeros((slots.shape[0], 0), getattr(state, name).dtype)
+    return SamplingState(**rows)
+
+
+def update_rows(
+    state: SamplingState, slots: Int[Array, "B"], tokens: Int[Array, "B"],
+    active: Bool[Array, "B"], history: bool,
+) -> SamplingState:
+    """`update_after_sample` for rows of slots (padding slots < 0 are dropped)."""
+    dest = jnp.where(active & (slots >= 0), slots, state.max_seqs)
+    out = dataclasses.replace(
+        state, num_generated=state.num_generated.at[dest].add(1, mode="drop"))
+    if history:
+        counts = state.output_counts.at[dest, tokens].add(1, mode="drop")
+        out = dataclasses.replace(out, output_counts=counts)
+    return out
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingRows:
+    """Per-request parameters of A admitted requests (the PARAM_FIELDS of SamplingState)."""
+
+    temperature: Float[Array, "A"]
+    top_k: Int[Array, "A"]
+    top_p: Float[Array, "A"]
+    min_p: Float[Array, "A"]
+    presence_penalty: Float[Array, "A"]
+    frequency_penalty: Float[Array, "A"]
+    repetition_penalty: Float[Array, "A"]
+    key: UInt[Array, "A 2"]
+    min_tokens: Int[Array, "A"]
+    max_tokens: Int[Array, "A"]
+    ignore_eos: Bool[Array, "A"]
+    stop_ids: Int[Array, "A M"]
+    eos_ids: Int[Array, "A M"]
+
+
+def sampling_rows(
+    items: list[tuple[SamplingParams, list[int], int]], width: int, max_stop_ids: int
+) -> SamplingRows:
+    """Rows for `items` = [(params, eos_token_ids, seed)] padded to `width`, built on the host.
+
+    The seed is used when `params.seed` is None (the engine passes its seed + a counter).
+    """
+    a, m = width, max_stop_ids
+    cols: dict[str, np.ndarray] = dict(
+        temperature=np.zeros(a, np.float32), top_k=np.zeros(a, np.int32),
+        top_p=np.ones(a, np.float32), min_p=np.zeros(a, np.float32),
+        presence_penalty=np.zeros(a, np.float32), frequency_penalty=np.zeros(a, np.float32),
+        repetition_penalty=np.ones(a, np.float32), key=np.zeros((a, 2), np.uint32),
+        min_tokens=np.zeros(a, np.int32), max_tokens=np.full(a, NO_LIMIT, np.int32),
+        ignore_eos=np.zeros(a, bool), stop_ids=np.full((a, m), -1, np.int32),
+        eos_ids=np.full((a, m), -1, np.int32))
+    for i, (p, eos, seed) in enumerate(items):
+        for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos"):
+            cols[name][i] = getattr(p, name)
+        cols["key"][i] = seed_to_key_data(p.seed if p.seed is not None else seed)
+        cols["max_tokens"][i] = NO_LIMIT if p.max_tokens is None else p.max_tokens
+        cols["stop_ids"][i] = _padded_ids(list(p.stop_token_ids or []), m, "stop_token_ids")
+        cols["eos_ids"][i] = _padded_ids(list(eos), m, "eos_token_ids")
+    return SamplingRows(**jax.device_put(cols))  # one transfer for every field
+
+
+def admit_rows(
+    state: SamplingState, slots: Int[Array, "A"], rows: SamplingRows,
+    prompt_mask: Bool[Array, "A V"] | None = None,
+) -> SamplingState:
+    """Writes admitted requests into their slots (slot < 0: padding); jittable.
+
+    Resets num_generated. With `prompt_mask` (a step whose flags have penalties) the history
+    rows are reset too: the prompt's tokens marked, output counts zeroed. Without it they keep
+    a former occupant's values, which only penalties read, and a request with default
+    penalties is unaffected by them.
+    """
+    dest = jnp.where(slots >= 0, slots, state.max_seqs)
+    put = lambda a, x: a.at[dest].set(jnp.asarray(x, a.dtype), mode="drop")  # noqa: E731
+    out = {name: put(getattr(state, name), getattr(rows, name)) for name in PARAM_FIELDS}
+    out["num_generated"] = put(state.num_generated, 0)
+    if prompt_mask is not None:
+        out["prompt_mask"] = put(state.prompt_mask, prompt_mask)
+        out["output_counts"] = put(state.output_counts, 0)
+    return dataclasses.replace(state, **out)
 
 
 def seed_to_key_data(seed: int) -> np.ndarray:
@@ -174,24 +321,10 @@ def set_slot(
     Returns:
       The state with row `slot` replaced.
     """
-    m = state.stop_ids.shape[1]
-    key = seed_to_key_data(params.seed if params.seed is not None else seed)
-    prompt = np.zeros((state.vocab_size,), bool)
-    prompt[np.asarray(prompt_token_ids, np.int64)] = True
-    row = dict(
-        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-        min_p=params.min_p, presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
-        key=key, prompt_mask=prompt, output_counts=0, num_generated=0,
-        min_tokens=params.min_tokens,
-        max_tokens=NO_LIMIT if params.max_tokens is None else params.max_tokens,
-        ignore_eos=params.ignore_eos,
-        stop_ids=_padded_ids(list(params.stop_token_ids or []), m, "stop_token_ids"),
-        eos_ids=_padded_ids(list(eos_token_ids), m, "eos_token_ids"),
-    )
-    return SamplingState(**{
-        name: getattr(state, name).at[slot].set(value) for name, value in row.items()
-    })
+    rows = sampling_rows([(params, list(eos_token_ids), seed)], 1, state.stop_ids.shape[1])
+    prompt = np.zeros((1, state.vocab_size), bool)
+    prompt[0, np.asarray(prompt_token_ids, np.int64)] = True
+    return admit_rows(state, jnp.asarray([slot], jnp.int32), rows, jnp.asarray(prompt))
 
 
 def fork_slot(
@@ -236,16 +369,10 @@ def _wrap(key_data: UInt[Array, "2"]) -> jax.Array:
     return jax.random.wrap_key_data(key_data, impl=KEY_IMPL)
 
 
-def _id_mask(ids: Int[Array, "S M"], vocab_size: int) -> Bool[Array, "S V"]:
-    """[S, V] True at every (row, id) listed in `ids`; -1 padding marks nothing."""
-    rows = jnp.arange(ids.shape[0])[:, None]
-    # Padding goes to column V, which mode="drop" discards (negative indices would wrap).
-    cols = jnp.where(ids >= 0, ids, vocab_size)
-    return jnp.zeros((ids.shape[0], vocab_size), bool).at[rows, cols].set(True, mode="drop")
-
-
 def apply_min_tokens(logits: Float[Array, "S V"], state: SamplingState) -> Float[Array, "S V"]:
     """Masks EOS (even with ignore_eos) and stop ids to -inf while num_generated < min_tokens.
+
+    A scatter of S x 2M entries, not an [S, V] mask: cheap enough to run in every step.
 
     Args:
       logits: [S, V] logits.
@@ -255,9 +382,11 @@ def apply_min_tokens(logits: Float[Array, "S V"], state: SamplingState) -> Float
       [S, V] logits with the blocked tokens at -inf.
     """
     ids = jnp.concatenate([state.stop_ids, state.eos_ids], axis=1)
-    blocked = _id_mask(ids, state.vocab_size)
-    blocked &= (state.num_generated < state.min_tokens)[:, None]
-    return jnp.where(blocked, -jnp.inf, logits)
+    blocked = (ids >= 0) & (state.num_generated < state.min_tokens)[:, None]
+    rows = jnp.arange(ids.shape[0])[:, None]
+    # Unblocked entries go to column V, which mode="drop" discards.
+    cols = jnp.where(blocked, ids, logits.shape[1])
+    return logits.at[rows, cols].set(-jnp.inf, mode="drop")
 
 
 def apply_penalties(logits: Float[Array, "S V"], state: SamplingState) -> Float[Array, "S V"]:
@@ -313,29 +442,39 @@ def _row_keys(state: SamplingState) -> jax.Array:
     return jax.vmap(lambda d, i: jax.random.fold_in(_wrap(d), i))(state.key, state.num_generated)
 
 
-def _draw(logits: Float[Array, "S V"], state: SamplingState) -> Int[Array, "S"]:
+def _draw(logits: Float[Array, "S V"], state: SamplingState, filters: bool = True
+          ) -> Int[Array, "S"]:
     """Random rows' draw; greedy rows get a placeholder (temperature clamped to avoid inf)."""
     temp = jnp.maximum(state.temperature, 1e-5)[:, None]
     scaled = logits / temp
-    # The sort is the step's costliest op; filter_logits is the identity when every filter
-    # is off, so skipping it cannot change any row's draw (batch independence holds).
-    needed = ((state.top_k > 0) | (state.top_p < 1.0) | (state.min_p > 0.0)).any()
-    scaled = jax.lax.cond(needed, filter_logits, lambda x, _: x, scaled, state)
+    if filters:
+        # The sort is the step's costliest op; filter_logits is the identity when every filter
+        # is off, so skipping it cannot change any row's draw (batch independence holds).
+        needed = ((state.top_k > 0) | (state.top_p < 1.0) | (state.min_p > 0.0)).any()
+        scaled = jax.lax.cond(needed, filter_logits, lambda x, _: x, scaled, state)
     return jax.vmap(jax.random.categorical)(_row_keys(state), scaled).astype(jnp.int32)
 
 
 def _gather_logprobs(
     raw: Float[Array, "S V"], tokens: Int[Array, "S"], num_top: int
-) -> tuple[Float[Array, "S"], Int[Array, "S"], Int[Array, "S R"], Float[Array, "S R"]]:
-    logprobs = jax.nn.log_softmax(raw.astype(jnp.float32), axis=1)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=1)[:, 0]
-    ranks = (logprobs > chosen[:, None]).sum(axis=1).astype(jnp.int32) + 1
-    top_lp, top_ids = jax.lax.top_k(logprobs, num_top)
-    return chosen, ranks, top_ids.astype(jnp.int32), top_lp
+) -> tuple[Float[Array, "S"], Int[Array, "S"], Int[Array, "S J"], Float[Array, "S J"]]:
+    raw = raw.astype(jnp.float32)
+    # log_softmax(raw)[token], rounded as log_softmax rounds, without an [S, V] result.
+    mx = jax.lax.stop_gradient(raw.max(axis=1, keepdims=True))
+    log_norm = jnp.log(jnp.exp(raw - mx).sum(axis=1, keepdims=True))
+    picked = jnp.take_along_axis(raw, tokens[:, None], axis=1)
+    chosen = ((picked - mx) - log_norm)[:, 0]
+    ranks = (raw > picked).sum(axis=1).astype(jnp.int32) + 1
+    if not num_top:
+        s = raw.shape[0]
+        return chosen, ranks, jnp.zeros((s, 0), jnp.int32), jnp.zeros((s, 0), jnp.float32)
+    top_raw, top_ids = jax.lax.top_k(raw, num_top)
+    return chosen, ranks, top_ids.astype(jnp.int32), (top_raw - mx) - log_norm
 
 
 def sample(
-    logits: Float[Array, "S V"], state: SamplingState, num_top_logprobs: int = 0
+    logits: Float[Array, "S V"], state: SamplingState, num_top_logprobs: int = 0,
+    flags: SampleFlags | None = None,
 ) -> SampleResult:
     """Samples one token per row from RAW model logits under each row's parameters.
 
@@ -347,20 +486,32 @@ def sample(
 
     Args:
       logits: [S, V] raw model logits of each row's last position.
-      state: the sampling state.
-      num_top_logprobs: R (static), how many top logprobs to return per row; the host slices
-        each request's own `SamplingParams.logprobs` out of it.
+      state: the sampling state (or a `rows_view` of it).
+      num_top_logprobs: J (static), how many top logprobs to return per row; the host slices
+        each request's own `SamplingParams.logprobs` out of it. Ignored when flags are given.
+      flags: static features the rows need; None = all (any row may use any feature).
 
     Returns:
-      SampleResult with tokens [S], logprobs [S], ranks [S], top_ids / top_logprobs [S, R].
+      SampleResult with tokens [S], logprobs [S], ranks [S], top_ids / top_logprobs [S, J].
     """
-    processed = apply_penalties(apply_min_tokens(logits.astype(jnp.float32), state), state)
+    flags = flags or SampleFlags(num_top_logprobs=num_top_logprobs)
+    processed = apply_min_tokens(logits.astype(jnp.float32), state)
+    if flags.penalties:
+        processed = apply_penalties(processed, state)
     greedy = jnp.argmax(processed, axis=1).astype(jnp.int32)
-    is_greedy = state.temperature == 0.0
-    # Drawing costs a random number per vocab entry per row; all-greedy batches skip it.
-    drawn = jax.lax.cond(is_greedy.all(), lambda *_: greedy, _draw, processed, state)
-    tokens = jnp.where(is_greedy, greedy, drawn)
-    chosen, ranks, top_ids, top_lp = _gather_logprobs(logits, tokens, num_top_logprobs)
+    tokens = greedy
+    if flags.random:
+        is_greedy = state.temperature == 0.0
+        # Drawing costs a random number per vocab entry per row; all-greedy batches skip it.
+        draw = functools.partial(_draw, filters=flags.filters)
+        drawn = jax.lax.cond(is_greedy.all(), lambda *_: greedy, draw, processed, state)
+        tokens = jnp.where(is_greedy, greedy, drawn)
+    if not (flags.logprobs or flags.num_top_logprobs):
+        zf, zi = jnp.zeros(tokens.shape, jnp.float32), jnp.zeros(tokens.shape, jnp.int32)
+        s = tokens.shape[0]
+        return SampleResult(tokens, zf, zi, jnp.zeros((s, 0), jnp.int32),
+                            jnp.zeros((s, 0), jnp.float32))
+    chosen, ranks, top_ids, top_lp = _gather_logprobs(logits, tokens, flags.num_top_logprobs)
     return SampleResult(tokens, chosen, ranks, top_ids, top_lp)
 
 

@@ -62,7 +62,8 @@ class Sequence:
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
             index=self.index, text=self.text, token_ids=list(self.output_ids),
-            cumulative_logprob=self.cumulative_logprob,
+            cumulative_logprob=(None if self.owner is None or self.owner.params.logprobs is None
+                                else self.cumulative_logprob),  # as vLLM: only when asked
             logprobs=self.logprobs or None, finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )

@@ -1,17 +1,23 @@
 """The jitted device side of an engine step: one ragged step, and a decode window.
 
+A step runs over *rows*, not over every sequence slot: row r computes the tokens of slot
+row_slots[r], and the host pads the rows to a power-of-two bucket of the sequences that run
+(StepShape and batch.py hold the bucket rules). A step over one sequence costs one row.
+
     run_step(params, state, batch)                    one forward over a ragged batch
+      0. admissions         -> slots going live: table row reset, prefix-cache hit attached,
+                               sampling parameters written (new requests)
       1. reserve_slots      -> blocks at boundaries, copy-on-write pairs, ok
       2. copy_blocks        -> private copies of shared last blocks
       3. model forward      -> writes K/V at slot_mapping, paged attention, logits per row
       4. forks (n > 1)      -> children share the prompt's blocks, each with its own key
-      5. sample             -> per-slot parameters and keys; advance counts; stop on device
+      5. sample             -> per-row parameters and keys; advance counts; stop on device
 
-    decode_window(params, state, tokens, active)      up to W decode steps in a while_loop:
-      exits early when every sequence stopped or the pool cannot grow (no host sync inside)
+    decode_window(params, state, row_slots, tokens)   up to W decode steps in a while_loop:
+      exits early when every row stopped or the pool cannot grow (no host sync inside)
 
-If `reserve_slots` reports the pool cannot cover the step, nothing else runs and the state
-comes back unchanged (`ok` False): the host preempts and retries.
+If `reserve_slots` reports the pool cannot cover the step, steps 1-5 do not run and the state
+comes back as it was after the admissions (`ok` False): the host preempts and retries.
 """
 
 from __future__ import annotations
@@ -44,21 +50,48 @@ class EngineState:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Admissions:
+    """Slots going live at the start of a step, padded to A entries (slot -1).
+
+    A slot goes live when a request is admitted for the first time, or resumes after a
+    recompute preemption (swapped-out sequences come back through their own call first).
+
+    Attributes:
+      slot: [A] the slot; its page-table row is reset to empty.
+      new_request: [A] first admission: write `sampling` into the slot's sampling row.
+      sampling: [A] the requests' sampling parameters.
+      prompt_mask: [A, V] prompt tokens (repetition penalty), only in steps whose flags have
+        penalties; None otherwise.
+      hit_blocks: [A, P] cached blocks of a prefix-cache hit, in logical order, 0-padded.
+      hit_tokens: [A] tokens the hit covers (the slot starts with this length).
+    """
+
+    slot: Int[Array, "A"]
+    new_request: Bool[Array, "A"]
+    sampling: smp.SamplingRows
+    prompt_mask: Bool[Array, "A V"] | None
+    hit_blocks: Int[Array, "A P"]
+    hit_tokens: Int[Array, "A"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class StepBatch:
     """One ragged step, padded to static shapes.
 
-    Rows are the sequences taking part (prefill chunks first, then decodes); row r owns tokens
-    query_start[r] .. query_start[r+1]-1.
+    Rows are the sequences taking part (prefill chunks first, then decodes, then the children
+    of n > 1 forks, which have no tokens); row r owns tokens query_start[r] .. query_start[r+1]-1.
 
     Attributes:
       token_ids, positions: [T] input token and its position; padding past query_start[R].
       token_rows: [T] row of each token, -1 for padding.
       row_slots: [R] page-table slot of each row, -1 for padding rows.
       query_start: [R + 1] cumulative token offsets of the rows.
-      num_new: [S] tokens each slot gains this step.
-      sample: [S] slots that sample a token after this step (their prompt is complete).
-      fork_src, fork_dst, fork_index: [F] children created after the forward (parallel
-        sampling): dst shares src's blocks and samples with fold_in(key, index); src < 0 pads.
+      sample: [R] rows that sample a token after this step (their prompt is complete).
+      fork_src, fork_dst, fork_index: [F] rows: after the forward, the slot of row dst becomes
+        a child of row src's slot (shares its blocks) and samples from its logits with key
+        fold_in(key, index); src < 0 pads.
+      admit: slots going live first (None: none; decode windows).
     """
 
     token_ids: Int[Array, "T"]
@@ -66,43 +99,100 @@ class StepBatch:
     token_rows: Int[Array, "T"]
     row_slots: Int[Array, "R"]
     query_start: Int[Array, "R+1"]
-    num_new: Int[Array, "S"]
-    sample: Bool[Array, "S"]
+    sample: Bool[Array, "R"]
     fork_src: Int[Array, "F"]
     fork_dst: Int[Array, "F"]
     fork_index: Int[Array, "F"]
+    admit: Admissions | None = None
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepOut:
-    """Per-slot results of a step (only rows with `sampled` set are meaningful)."""
+    """Per-row results of a step (only rows with `sampled` set are meaningful)."""
 
-    tokens: Int[Array, "S"]
-    logprobs: Float[Array, "S"]
-    top_ids: Int[Array, "S R"]
-    top_logprobs: Float[Array, "S R"]
-    sampled: Bool[Array, "S"]
-    finished: Bool[Array, "S"]
-    reason: Int[Array, "S"]
+    tokens: Int[Array, "R"]
+    logprobs: Float[Array, "R"]
+    top_ids: Int[Array, "R J"]
+    top_logprobs: Float[Array, "R J"]
+    sampled: Bool[Array, "R"]
+    finished: Bool[Array, "R"]
+    reason: Int[Array, "R"]
     ok: Bool[Array, ""]
     num_free: Int[Array, ""]
 
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-    """Static knobs of the step functions (hashable: part of the jit cache key)."""
+    """Static knobs fixed for an engine's lifetime (hashable: part of the jit cache key)."""
 
     model: ModelConfig
     backend: str = "reference"
-    num_top_logprobs: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """Static bounds of one step, chosen by the host from buckets (part of the jit key).
+
+    Attributes:
+      max_q: tokens of any row (1: every row decodes).
+      max_q_rows: only the first max_q_rows rows may have more than one token (None: any).
+      max_new_blocks: blocks any slot gains in the step, copies included.
+      max_copies: copy-on-write copies the step may make (rows whose last block may be
+        shared); 0 skips the copy. A step that would need more is refused (ok False).
+      max_pages: pages any row holds after the step (None: all P).
+      decode_pages: pages of the single-token rows together (attention.flat_decode_reference).
+      flags: sampler features the rows need.
+    """
+
+    max_q: int = 1
+    max_q_rows: int | None = None
+    max_new_blocks: int = 2
+    max_copies: int = 0
+    max_pages: int | None = None
+    decode_pages: int | None = None
+    flags: smp.SampleFlags = smp.SampleFlags()
+
+
+def _admit(state: EngineState, adm: Admissions | None) -> EngineState:
+    """Applies a step's admissions: rows reset, prefix hits attached, sampling rows written."""
+    if adm is None:
+        return state
+    table = pt.add_sequences(state.table, adm.slot)
+    pool, table = pt.attach_prefixes(state.pool, table, adm.slot, adm.hit_blocks, adm.hit_tokens)
+    new = jnp.where(adm.new_request, adm.slot, -1)
+    sampling = smp.admit_rows(state.sampling, new, adm.sampling, adm.prompt_mask)
+    return EngineState(pool, table, state.cache, sampling)
+
+
+def _copies(
+    src: Int[Array, "S"], dst: Int[Array, "S"], max_copies: int
+) -> tuple[tuple[Int[Array, "C"], Int[Array, "C"]], Bool[Array, ""]]:
+    """The copy-on-write pairs (dst != 0) packed into `max_copies` slots, and whether they fit.
+
+    Copying costs a gather and a scatter of C blocks in every layer, so steps copy only as
+    many blocks as the host says may be shared (usually none).
+    """
+    wanted = dst != 0
+    fits = wanted.sum() <= max_copies
+    if not max_copies:
+        return (src[:0], dst[:0]), fits
+    (idx,) = jnp.nonzero(wanted, size=max_copies, fill_value=src.shape[0])
+    take = lambda a: jnp.where(idx < a.shape[0], a[jnp.clip(idx, 0, a.shape[0] - 1)], 0)  # noqa: E731
+    return (take(src), take(dst)), fits
+
+
+def _num_new(batch: StepBatch, num_slots: int) -> Int[Array, "S"]:
+    """Tokens each slot gains: its row's token count (padding rows dropped)."""
+    per_row = batch.query_start[1:] - batch.query_start[:-1]
+    dest = jnp.where(batch.row_slots >= 0, batch.row_slots, num_slots)
+    return jnp.zeros((num_slots,), jnp.int32).at[dest].add(per_row, mode="drop")
 
 
 def _forward_rows(
-    params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, max_q: int,
-    max_q_rows: int | None, max_pages: int | None,
-) -> tuple[Float[Array, "S V"], KVCache]:
-    """Model forward over the batch's rows; logits scattered back to page-table slots.
+    params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, shape: StepShape
+) -> tuple[Float[Array, "R V"], KVCache]:
+    """Model forward over the batch's rows: logits of each row's last token.
 
     Attention sees only the first `max_pages` pages of each row (a static bucket covering the
     longest sequence in the step), so short contexts do not pay for max_model_len.
@@ -113,153 +203,154 @@ def _forward_rows(
     seq_ids = jnp.where(batch.token_rows >= 0, batch.row_slots[batch.token_rows], -1)
     slot_map = pt.slot_mapping(table, seq_ids, batch.positions)
     seq_lens = jnp.where(rows_valid, table.seq_lens[slots], 0)
-    logits, cache = forward(
+    return forward(
         params, state.cache, batch.token_ids, batch.positions, slot_map,
-        table.block_tables[slots][:, :max_pages], seq_lens, batch.query_start,
-        config=cfg.model, max_q=max_q, backend=cfg.backend, max_q_rows=max_q_rows,
+        table.block_tables[slots][:, :shape.max_pages], seq_lens, batch.query_start,
+        config=cfg.model, max_q=shape.max_q, backend=cfg.backend, max_q_rows=shape.max_q_rows,
+        decode_pages=shape.decode_pages,
     )
-    s = table.live.shape[0]
-    dest = jnp.where(rows_valid, batch.row_slots, s)
-    slot_logits = jnp.zeros((s, logits.shape[-1]), jnp.float32).at[dest].set(logits, mode="drop")
-    return slot_logits, cache
 
 
 def _fork_children(
-    state: EngineState, logits: Float[Array, "S V"], batch: StepBatch
-) -> tuple[EngineState, Float[Array, "S V"], Bool[Array, "S"]]:
+    state: EngineState, logits: Float[Array, "R V"], batch: StepBatch
+) -> tuple[EngineState, Float[Array, "R V"]]:
     """Creates parallel-sampling children after the prompt's K/V are written."""
-    pool, table = pt.fork(state.pool, state.table, batch.fork_src, batch.fork_dst)
-    sampling = smp.fork_slots(state.sampling, batch.fork_src, batch.fork_dst, batch.fork_index)
-    s = table.live.shape[0]
-    dst = jnp.where(batch.fork_src >= 0, batch.fork_dst, s)
-    logits = logits.at[dst].set(logits[jnp.clip(batch.fork_src, 0)], mode="drop")
-    is_child = jnp.zeros((s,), bool).at[dst].set(True, mode="drop")
-    return EngineState(pool, table, state.cache, sampling), logits, is_child
+    valid = batch.fork_src >= 0
+    src = jnp.where(valid, batch.row_slots[jnp.clip(batch.fork_src, 0)], -1)
+    dst = batch.row_slots[jnp.clip(batch.fork_dst, 0)]
+    pool, table = pt.fork(state.pool, state.table, src, dst)
+    sampling = smp.fork_slots(state.sampling, src, dst, batch.fork_index)
+    rows = jnp.where(valid, batch.fork_dst, logits.shape[0])
+    logits = logits.at[rows].set(logits[jnp.clip(batch.fork_src, 0)], mode="drop")
+    return EngineState(pool, table, state.cache, sampling), logits
 
 
 def _sample(
-    state: EngineState, logits: Float[Array, "S V"], active: Bool[Array, "S"], cfg: StepConfig
+    state: EngineState, logits: Float[Array, "R V"], slots: Int[Array, "R"],
+    active: Bool[Array, "R"], flags: smp.SampleFlags,
 ) -> tuple[EngineState, StepOut]:
-    res = smp.sample(logits, state.sampling, cfg.num_top_logprobs)
-    sampling = smp.update_after_sample(state.sampling, res.tokens, active)
-    finished, reason = smp.stop_mask(sampling, res.tokens)
-    state = dataclasses.replace(state, sampling=sampling)
+    rows = smp.rows_view(state.sampling, slots, flags.penalties)
+    res = smp.sample(logits, rows, flags=flags)
+    sampling = smp.update_rows(state.sampling, slots, res.tokens, active, flags.penalties)
+    counted = dataclasses.replace(rows, num_generated=rows.num_generated + active)
+    finished, reason = smp.stop_mask(counted, res.tokens)
     out = StepOut(res.tokens, res.logprobs, res.top_ids, res.top_logprobs, active,
                   finished & active, reason, jnp.asarray(True), state.pool.num_free)
-    return state, out
+    return dataclasses.replace(state, sampling=sampling), out
 
 
-def _empty_out(state: EngineState, cfg: StepConfig) -> StepOut:
-    s, r = state.table.live.shape[0], cfg.num_top_logprobs
-    zi, zf = jnp.zeros((s,), jnp.int32), jnp.zeros((s,), jnp.float32)
-    zb = jnp.zeros((s,), bool)
-    return StepOut(zi, zf, jnp.zeros((s, r), jnp.int32), jnp.zeros((s, r), jnp.float32),
+def _empty_out(state: EngineState, rows: int, flags: smp.SampleFlags) -> StepOut:
+    j = flags.num_top_logprobs
+    zi, zf, zb = (jnp.zeros((rows,), t) for t in (jnp.int32, jnp.float32, bool))
+    return StepOut(zi, zf, jnp.zeros((rows, j), jnp.int32), jnp.zeros((rows, j), jnp.float32),
                    zb, zb, zi, jnp.asarray(False), state.pool.num_free)
 
 
 def step_body(
-    params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, max_q: int,
-    max_q_rows: int | None, max_new_blocks: int, max_pages: int | None = None,
+    params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, shape: StepShape
 ) -> tuple[EngineState, StepOut]:
     """One ragged step (unjitted; see `run_step`)."""
+    state = _admit(state, batch.admit)
+    num_new = _num_new(batch, state.table.live.shape[0])
     pool, table, (src, dst), ok = pt.reserve_slots(
-        state.pool, state.table, batch.num_new, max_new_blocks=max_new_blocks)
+        state.pool, state.table, num_new, max_new_blocks=shape.max_new_blocks)
+    (src, dst), fits = _copies(src, dst, shape.max_copies)
+    pool, table = jax.tree.map(lambda a, b: jnp.where(fits, a, b), (pool, table),
+                               (state.pool, state.table))
+    ok = ok & fits
 
     def go(_):
-        st = EngineState(pool, table, copy_blocks(state.cache, src, dst), state.sampling)
-        logits, cache = _forward_rows(params, st, batch, cfg, max_q, max_q_rows, max_pages)
-        st, logits, children = _fork_children(dataclasses.replace(st, cache=cache), logits, batch)
-        return _sample(st, logits, batch.sample | children, cfg)
+        cache = copy_blocks(state.cache, src, dst) if shape.max_copies else state.cache
+        st = EngineState(pool, table, cache, state.sampling)
+        logits, cache = _forward_rows(params, st, batch, cfg, shape)
+        st, logits = _fork_children(dataclasses.replace(st, cache=cache), logits, batch)
+        return _sample(st, logits, batch.row_slots, batch.sample & (batch.row_slots >= 0),
+                       shape.flags)
 
-    return jax.lax.cond(ok, go, lambda _: (state, _empty_out(state, cfg)), None)
+    rows = batch.row_slots.shape[0]
+    return jax.lax.cond(ok, go, lambda _: (state, _empty_out(state, rows, shape.flags)), None)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "max_q", "max_q_rows", "max_new_blocks", "max_pages"),
-    donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "shape"), donate_argnames=("state",))
 def run_step(
-    params: Params, state: EngineState, batch: StepBatch, *, cfg: StepConfig, max_q: int,
-    max_q_rows: int | None = None, max_new_blocks: int = 2, max_pages: int | None = None,
+    params: Params, state: EngineState, batch: StepBatch, *, cfg: StepConfig, shape: StepShape
 ) -> tuple[EngineState, StepOut]:
     """One ragged step (prefill chunks and/or decodes), the state donated.
 
     Args:
-      params: model parameters.
+      params: model parameters (runtime form, models.llama.prepare_params).
       state: device state (donated).
-      batch: the step's tokens and rows.
-      cfg: static config.
-      max_q: static bound on tokens of any row.
-      max_q_rows: static; only the first max_q_rows rows may have more than one token.
-      max_new_blocks: static bound on blocks one slot gains in this step (copies included).
-      max_pages: static bound on pages any row holds after the step (None: all P).
+      batch: the step's admissions, tokens and rows.
+      cfg: static engine config.
+      shape: static bounds of this step.
 
     Returns:
-      (state', StepOut). When the pool cannot cover the step, ok is False and state' is state.
+      (state', StepOut per row). When the pool cannot cover the step, ok is False and state'
+      is the state after the admissions.
     """
-    return step_body(params, state, batch, cfg, max_q, max_q_rows, max_new_blocks, max_pages)
+    return step_body(params, state, batch, cfg, shape)
 
 
 def decode_batch(
-    tokens: Int[Array, "S"], active: Bool[Array, "S"], seq_lens: Int[Array, "S"]
+    row_slots: Int[Array, "R"], tokens: Int[Array, "R"], active: Bool[Array, "R"],
+    seq_lens: Int[Array, "S"],
 ) -> StepBatch:
-    """A decode-only batch: one token per active slot, row r = slot r, tokens compacted."""
-    s = tokens.shape[0]
-    query_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(active, dtype=jnp.int32)])
-    dest = jnp.where(active, query_start[:-1], s)
-    put = lambda fill, vals: jnp.full((s,), fill, jnp.int32).at[dest].set(vals, mode="drop")  # noqa: E731
-    rows = jnp.arange(s, dtype=jnp.int32)
+    """A decode-only batch: one token per row (inactive rows are padding)."""
+    r = row_slots.shape[0]
+    slots = jnp.where(active, row_slots, -1)
+    rows = jnp.arange(r, dtype=jnp.int32)
     no_fork = jnp.full((1,), -1, jnp.int32)
     return StepBatch(
-        token_ids=put(0, tokens), positions=put(0, seq_lens), token_rows=put(-1, rows),
-        row_slots=jnp.where(active, rows, -1), query_start=query_start,
-        num_new=active.astype(jnp.int32), sample=active,
-        fork_src=no_fork, fork_dst=no_fork, fork_index=no_fork,
-    )
+        token_ids=tokens, positions=seq_lens[jnp.clip(row_slots, 0)],
+        token_rows=jnp.where(active, rows, -1), row_slots=slots,
+        query_start=jnp.arange(r + 1, dtype=jnp.int32), sample=active,
+        fork_src=no_fork, fork_dst=no_fork, fork_index=no_fork)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class WindowOut:
-    """Tokens of up to W decode steps: step i's token of slot s is tokens[i, s] if valid[i, s]."""
+    """Tokens of up to W decode steps: step i's token of row r is tokens[i, r] if valid[i, r]."""
 
-    tokens: Int[Array, "W S"]
-    logprobs: Float[Array, "W S"]
-    top_ids: Int[Array, "W S R"]
-    top_logprobs: Float[Array, "W S R"]
-    valid: Bool[Array, "W S"]
-    finished: Bool[Array, "S"]
-    reason: Int[Array, "S"]
+    tokens: Int[Array, "W R"]
+    logprobs: Float[Array, "W R"]
+    top_ids: Int[Array, "W R J"]
+    top_logprobs: Float[Array, "W R J"]
+    valid: Bool[Array, "W R"]
+    finished: Bool[Array, "R"]
+    reason: Int[Array, "R"]
     steps: Int[Array, ""]
     ok: Bool[Array, ""]
     num_free: Int[Array, ""]
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "window", "max_pages"), donate_argnames=("state",))
+    jax.jit, static_argnames=("cfg", "window", "shape"), donate_argnames=("state",))
 def decode_window(
-    params: Params, state: EngineState, tokens: Int[Array, "S"], active: Bool[Array, "S"], *,
-    cfg: StepConfig, window: int, max_pages: int | None = None,
+    params: Params, state: EngineState, row_slots: Int[Array, "R"], tokens: Int[Array, "R"], *,
+    cfg: StepConfig, window: int, shape: StepShape,
 ) -> tuple[EngineState, WindowOut]:
     """Up to `window` decode steps in one `lax.while_loop`; the host syncs once per window.
 
     Args:
-      params: model parameters.
+      params: model parameters (runtime form).
       state: device state (donated).
-      tokens: [S] each slot's last sampled token (the next input).
-      active: [S] slots that decode.
-      cfg: static config.
+      row_slots: [R] the slot each row decodes (-1: padding row).
+      tokens: [R] each row's last sampled token (the next input).
+      cfg: static engine config.
       window: static W, the most steps.
-      max_pages: static bound on pages any slot holds by the end of the window (None: all P).
+      shape: static bounds; max_pages / decode_pages must cover every row's length at the
+        end of the window.
 
     Returns:
-      (state', WindowOut). The loop stops early when every slot has stopped, or when the pool
+      (state', WindowOut). The loop stops early when every row has stopped, or when the pool
       cannot cover the next step (ok False; that step did not run).
     """
-    s, r = tokens.shape[0], cfg.num_top_logprobs
+    r, j = row_slots.shape[0], shape.flags.num_top_logprobs
     out0 = WindowOut(
-        jnp.zeros((window, s), jnp.int32), jnp.zeros((window, s), jnp.float32),
-        jnp.zeros((window, s, r), jnp.int32), jnp.zeros((window, s, r), jnp.float32),
-        jnp.zeros((window, s), bool), jnp.zeros((s,), bool), jnp.zeros((s,), jnp.int32),
+        jnp.zeros((window, r), jnp.int32), jnp.zeros((window, r), jnp.float32),
+        jnp.zeros((window, r, j), jnp.int32), jnp.zeros((window, r, j), jnp.float32),
+        jnp.zeros((window, r), bool), jnp.zeros((r,), bool), jnp.zeros((r,), jnp.int32),
         jnp.asarray(0), jnp.asarray(True), state.pool.num_free)
 
     def cond(c):
@@ -268,8 +359,8 @@ def decode_window(
 
     def body(c):
         st, tok, act, out = c
-        batch = decode_batch(tok, act, st.table.seq_lens)
-        st, o = step_body(params, st, batch, cfg, 1, None, 2, max_pages)
+        st, o = step_body(params, st, decode_batch(row_slots, tok, act, st.table.seq_lens),
+                          cfg, shape)
         i = out.steps
         valid = o.sampled & o.ok
         out = WindowOut(
@@ -280,7 +371,7 @@ def decode_window(
             i + o.ok.astype(jnp.int32), o.ok, o.num_free)
         return st, jnp.where(valid, o.tokens, tok), act & ~(o.finished & valid), out
 
-    state, _, _, out = jax.lax.while_loop(cond, body, (state, tokens, active, out0))
+    state, _, _, out = jax.lax.while_loop(cond, body, (state, tokens, row_slots >= 0, out0))
     return state, out
 
 

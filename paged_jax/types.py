@@ -5,7 +5,8 @@
     H KV heads       Q query heads (H * G)      G query heads per KV head
     D head dim       L layers                   E model width        V vocabulary
     F forks (pairs)  C copy pairs               R query groups (rows or tiles)
-    M queries per group                         X key slots (P * K)
+    M queries per group (or stop ids per row)   X key slots (P * K)
+    J top logprobs per row                      A admitted requests in a step
 
 Shapes are written in annotations as strings, e.g. ``Int[Array, "S P"]``.
 """

@@ -186,8 +186,8 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def contents_read_back(self):
-        k = np.asarray(self.cache.k[0, 0, :, :, 0])
-        v = np.asarray(self.cache.v[0, 0, :, :, 0])
+        k = np.asarray(self.cache.k[0][0, :, :, 0])
+        v = np.asarray(self.cache.v[0][0, :, :, 0])
         tables = np.asarray(self.table.block_tables)
         for s, vals in self.values.items():
             n = len(vals)

@@ -102,8 +102,9 @@ def test_unknown_backend_raises():
                         z((1,), jnp.int32), z((2,), jnp.int32), max_q=1, backend="cuda")
 
 
-def test_default_backend_is_reference_on_cpu():
-    assert default_backend() == "reference"
+def test_default_backend_on_cpu_is_not_pallas():
+    """Pallas runs in interpret mode off GPU: a test tool, never the default."""
+    assert default_backend() in ("cpu", "reference")
 
 
 @pytest.mark.parametrize("max_q", [1, MAX_Q])

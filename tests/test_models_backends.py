@@ -64,4 +64,4 @@ def test_make_forward_is_cached_and_donates(params):
     runner = runner_for(CONFIG, params, 3, 16, block_size=4)
     old = runner.cache
     runner.step([[1], [2], [3]])
-    assert old.k.is_deleted()
+    assert all(x.is_deleted() for x in old.k)

@@ -170,7 +170,7 @@ class PrefixMachine(RuleBasedStateMachine):
     @invariant()
     def contents_read_back(self):
         """Every live sequence reads its own prefix fingerprints through its block table."""
-        k = np.asarray(self.kv.k[0, 0, :, :, 0])
+        k = np.asarray(self.kv.k[0][0, :, :, 0])
         tables = np.asarray(self.table.block_tables)
         for s, seq in self.seqs.items():
             got = k[tables[s]].reshape(-1)[: seq.num_computed]
@@ -180,7 +180,7 @@ class PrefixMachine(RuleBasedStateMachine):
     @invariant()
     def cached_blocks_hold_their_prefix(self):
         """A cached-free block still holds the K/V its entry promises to the next hit."""
-        k, entries = np.asarray(self.kv.k[0, 0, :, :, 0]), self.prefix.entries
+        k, entries = np.asarray(self.kv.k[0][0, :, :, 0]), self.prefix.entries
         for e in entries.values():
             toks, parent = list(e.tokens), e.parent
             while parent in entries:  # rebuild the prefix while its blocks are still cached

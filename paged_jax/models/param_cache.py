@@ -23,17 +23,13 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.typing import DTypeLike
 
+from paged_jax.compile_cache import cache_root
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.llama import Params
 from paged_jax.models.tokenizer import Tokenizer, load_saved_tokenizer, save_tokenizer
 
 FORMAT_VERSION = 1
 _MIB = 1 << 20
-
-
-def cache_root() -> Path:
-    """$PAGED_JAX_CACHE, else ~/.cache/paged_jax."""
-    return Path(os.environ.get("PAGED_JAX_CACHE") or Path.home() / ".cache" / "paged_jax")
 
 
 def fingerprint(files: Sequence[Path]) -> str:

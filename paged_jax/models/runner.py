@@ -17,7 +17,7 @@ from paged_jax import pool as pool_lib
 from paged_jax.config import CacheConfig
 from paged_jax.kv_cache import KVCache, init_kv_cache
 from paged_jax.models.config import ModelConfig
-from paged_jax.models.llama import Params, make_forward
+from paged_jax.models.llama import Params, make_forward, prepare_params
 from paged_jax.types import Array, Int
 
 
@@ -38,6 +38,7 @@ class Runner:
 
     def __post_init__(self) -> None:
         c, m = self.cache_cfg, self.config
+        self.params = prepare_params(self.params)  # the forward's fast layout, built once
         self.pool = pool_lib.init_pool(c.num_blocks)
         if self.shuffle_seed is not None:
             perm = np.random.default_rng(self.shuffle_seed).permutation(c.num_blocks - 1) + 1

@@ -1,0 +1,116 @@
+"""kernels/cpu_attention: the C++ kernel against a float64 numpy loop and the jnp reference."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels import cpu_attention
+from paged_jax.attention import cpu_kernel_available, default_backend, paged_attention
+from tests.engine_helpers import GREEDY, engine, prompts, run, tokens
+
+pytestmark = pytest.mark.skipif(not cpu_kernel_available(),
+                                reason="no C++ compiler on this machine: the kernel cannot build")
+
+
+def naive(q, k_pages, v_pages, tables, lens, query_start, scale):
+    """Token by token, head by head: softmax over keys 0..pos in float64."""
+    q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
+    out = np.zeros(q.shape, np.float64)
+    h, _, kb, _ = k_pages.shape
+    group = q.shape[1] // h
+    for s in range(len(lens)):
+        n = query_start[s + 1] - query_start[s]
+        for i in range(n):
+            pos = lens[s] - n + i
+            for j in range(q.shape[1]):
+                keys = np.stack([k_pages[j // group, tables[s, x // kb], x % kb]
+                                 for x in range(pos + 1)])
+                vals = np.stack([v_pages[j // group, tables[s, x // kb], x % kb]
+                                 for x in range(pos + 1)])
+                sc = keys @ q[query_start[s] + i, j] * scale
+                w = np.exp(sc - sc.max())
+                out[query_start[s] + i, j] = (w / w.sum()) @ vals
+    return out
+
+
+@st.composite
+def batches(draw):
+    """Ragged rows (prefill chunks, decodes, empty rows) over shuffled pages; NaN in every
+    block no row holds, so a read past a row's pages shows up in the output."""
+    rows, kb = draw(st.integers(1, 5)), draw(st.sampled_from([1, 2, 4, 16]))
+    h, group, d = draw(st.integers(1, 3)), draw(st.sampled_from([1, 3, 4])), 8
+    pages = draw(st.integers(1, 4))
+    lens = np.array(draw(st.lists(st.integers(0, pages * kb), min_size=rows, max_size=rows)))
+    num_q = np.array([draw(st.integers(0, min(6, x))) for x in lens])
+    n = rows * pages + 2
+    tables = np.zeros((rows, pages), np.int32)
+    held = -(-lens // kb)
+    perm = np.array(draw(st.permutations(range(1, n))))
+    tables[np.arange(pages)[None, :] < held[:, None]] = perm[: held.sum()]
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    k, v = (rng.standard_normal((h, n, kb, d)).astype(np.float32) for _ in range(2))
+    k[:, 0] = v[:, 0] = 0.0  # the zero block
+    free = np.ones(n, bool)
+    free[tables[tables > 0]] = free[0] = False
+    k[:, free] = v[:, free] = np.nan
+    query_start = np.concatenate([[0], np.cumsum(num_q)]).astype(np.int32)
+    q = rng.standard_normal((num_q.sum() + 2, h * group, d)).astype(np.float32)  # 2 padding
+    return q, k, v, tables, lens.astype(np.int32), query_start
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=batches())
+def test_kernel_matches_naive(batch):
+    got = np.asarray(cpu_attention.paged_attention(*map(jnp.asarray, batch), scale=0.3))
+    assert np.all(np.isfinite(got)), "a NaN from a free block leaked"
+    np.testing.assert_allclose(got, naive(*batch, 0.3), atol=1e-5, rtol=1e-5)
+    assert not got[batch[5][-1]:].any(), "padding tokens must read zeros"
+
+
+@settings(max_examples=5, deadline=None)
+@given(batch=batches())
+def test_bfloat16_matches_reference_in_float32(batch):
+    bf = [jnp.asarray(x, jnp.bfloat16) for x in batch[:3]] + list(map(jnp.asarray, batch[3:]))
+    got = cpu_attention.paged_attention(*bf, scale=0.3)
+    assert got.dtype == jnp.bfloat16
+    want = naive(*[np.asarray(x, np.float32) for x in bf[:3]], *batch[3:], 0.3)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2, rtol=3e-2)
+
+
+@settings(max_examples=5, deadline=None)
+@given(batch=batches())
+def test_jitted_backend_equals_reference_backend(batch):
+    batch = [jnp.asarray(x) for x in batch]
+    call = functools.partial(paged_attention, max_q=6, scale=0.3)
+    ours = jax.jit(functools.partial(call, backend="cpu"))(*batch)
+    ref = jax.jit(functools.partial(call, backend="reference"))(*batch)
+    np.testing.assert_allclose(np.asarray(ours), np.nan_to_num(np.asarray(ref)), atol=1e-5)
+
+
+def test_default_backend_on_cpu_is_the_kernel():
+    assert default_backend() == "cpu"
+
+
+def test_engine_tokens_equal_on_both_backends():
+    """Prefill chunks, decode windows and preemption on the kernel give the reference's
+    greedy tokens (the tiny model's margins are wide: no near-ties to flip)."""
+    reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(6))]
+    engines = {b: engine(backend=b, num_kv_blocks=16) for b in ("cpu", "reference")}
+    outs = {b: run(e, reqs) for b, e in engines.items()}
+    assert sum(s.preempted for s in engines["cpu"].stats) > 0, "the small pool should preempt"
+    for i in range(6):
+        assert tokens(outs["cpu"], str(i)) == tokens(outs["reference"], str(i)), f"prompt {i}"
+
+
+def test_loading_the_kernel_keeps_subnormal_floats():
+    """A -ffast-math shared library can switch the whole process to flush-to-zero; the
+    build links without it, so numpy, torch and XLA keep IEEE subnormals."""
+    assert cpu_kernel_available()
+    assert np.float32(1e-40) * np.float32(1.0) != 0.0  # (XLA flushes in its own threads)
