@@ -21,6 +21,8 @@ the CPU, measured in this one process so the ratios compare like with like:
      warm (the measured second of two runs).
   5. vLLM's CPU build on the batch-64 workload, if `make peers BATCH=64` has measured it here
      (results/peers_vllm.json).
+  6. bf16 on XLA:CPU: the matmul chain with bf16 weights and math, and with bf16 storage
+     upcast to fp32 inside the program, against fp32 (why dtype="auto" is fp32 on CPU).
 
 Writes results/bench_throughput.json and prints the table README.md quotes.
 """
@@ -57,22 +59,27 @@ def compiled() -> int:
     return step_lib.run_step._cache_size() + step_lib.decode_window._cache_size()
 
 
-def chain_seconds(params, batch: int, repeats: int = 10) -> float:
-    """The model's matmul chain at `batch` rows in XLA (best of repeats): the ceiling."""
+def chain_seconds(params, batch: int, repeats: int = 10, compute=None) -> float:
+    """The model's matmul chain at `batch` rows in XLA (best of repeats): the ceiling.
+
+    `compute`: cast the weights to this dtype inside the program (bf16 storage, fp32 math).
+    """
     import jax
     import jax.numpy as jnp
 
     layers, embed = params["layers"], params["embed"]
+    dtype = compute or embed.dtype
+    up = lambda w: w.astype(dtype)  # noqa: E731
 
     def chain(layers, embed, x):
         for p in layers:
-            qkv = x @ p["w_qkv"]
-            x = x + qkv[:, :x.shape[1]] @ p["wo"]
-            x = x + jnp.split(x @ p["w_gate_up"], 2, axis=-1)[0] @ p["w_down"]
-        return x @ embed.T  # the tied lm_head
+            qkv = x @ up(p["w_qkv"])
+            x = x + qkv[:, :x.shape[1]] @ up(p["wo"])
+            x = x + jnp.split(x @ up(p["w_gate_up"]), 2, axis=-1)[0] @ up(p["w_down"])
+        return jnp.einsum("te,ve->tv", x, up(embed))  # the tied lm_head
 
     f = jax.jit(chain)
-    x = jnp.full((batch, embed.shape[1]), 0.01, embed.dtype)
+    x = jnp.full((batch, embed.shape[1]), 0.01, dtype)
     f(layers, embed, x).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
@@ -159,6 +166,21 @@ def sharegpt(parts, hf_model, pad: int, n: int, scale: float, batch: int) -> dic
                 compiled_after_warmup=mine["compiled"])
 
 
+def bf16_on_cpu(params) -> dict:
+    """Why "auto" is float32 on CPU: the matmul chain per dtype plan, ms per step."""
+    import jax
+    import jax.numpy as jnp
+
+    bf = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    out = {}
+    for batch in (1, 64):
+        out[f"batch{batch}"] = dict(
+            float32=1e3 * chain_seconds(params, batch, 5),
+            bfloat16=1e3 * chain_seconds(bf, batch, 5),
+            bf16_storage_fp32_compute=1e3 * chain_seconds(bf, batch, 5, jnp.float32))
+    return out
+
+
 def fresh_process() -> float:
     """Seconds for import + LLM() + one 64-token answer in a new process (second of two)."""
     times = []
@@ -196,6 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
     res["batch1"] = batch1(parts, hf_model, pad, 8 if q else 64, bandwidth, 1 if q else 2)
     res["sharegpt"] = sharegpt(parts, hf_model, pad, 8 if q else 200, 0.1, 64)
     res["fresh_process_s"] = None if q else fresh_process()
+    res["bf16_chain_ms"] = bf16_on_cpu(parts[1])
     res["vllm_cpu_tok_s"] = vllm_peer(res["batch64"]["requests"], res["batch64"]["tokens"])
     path = common.save_json("bench_throughput", res)
     print(report(res))
@@ -207,15 +230,17 @@ def report(res: dict) -> str:
     b64, b1, sg = res["batch64"], res["batch1"], res["sharegpt"]
     vllm = res["vllm_cpu_tok_s"]
     rows = [
-        ("batch 64: 64 chat prompts x 128 tokens", f"{b64['paged_tok_s']:.0f} tok/s",
+        (f"batch {b64['requests']}: {b64['requests']} chat prompts x {b64['tokens']} tokens",
+         f"{b64['paged_tok_s']:.0f} tok/s",
          f"HF generate() {b64['hf_tok_s']:.0f}: {b64['paged_tok_s'] / b64['hf_tok_s']:.2f}x",
          f"matmul chain {b64['ceiling_tok_s']:.0f}: "
          f"{b64['paged_tok_s'] / b64['ceiling_tok_s']:.0%}"),
-        ("  vLLM CPU (make peers)", "", f"{vllm:.0f} tok/s: {b64['paged_tok_s'] / vllm:.2f}x"
-         if vllm else "not measured here", ""),
+        ("  vLLM CPU (make peers BATCH=64)", "",
+         f"{vllm:.0f} tok/s: {b64['paged_tok_s'] / vllm:.2f}x" if vllm else "not measured here",
+         ""),
         ("  host share of engine time", f"{b64['host_share']:.1%}", "", ""),
         ("  programs compiled after warm-up", str(b64["compiled_after_warmup"]), "", ""),
-        ("batch 1: LLM() defaults, 64 tokens", f"{b1['paged_tok_s']:.1f} tok/s",
+        (f"batch 1: LLM() defaults, {b1['tokens']} tokens", f"{b1['paged_tok_s']:.1f} tok/s",
          f"HF generate() {b1['hf_tok_s']:.1f}: {b1['paged_tok_s'] / b1['hf_tok_s']:.2f}x",
          f"bandwidth roofline {b1['roofline_tok_s']:.1f}: "
          f"{b1['paged_tok_s'] / b1['roofline_tok_s']:.0%}"),
@@ -227,8 +252,12 @@ def report(res: dict) -> str:
     ]
     lines = ["| workload | paged-jax | peer | limit |", "|---|---|---|---|"]
     lines += [f"| {' | '.join(r)} |" for r in rows]
-    lines.append(f"\nmeasured copy bandwidth {res['bandwidth_GBps']:.1f} GB/s; "
-                 f"batch-64 matmul chain {b64['chain_step_ms']:.0f} ms/step; greedy agreement "
+    bf = res["bf16_chain_ms"]
+    lines.append("\nmatmul chain per dtype plan, ms/step (batch 1 / batch 64): " + ", ".join(
+        f"{k} {bf['batch1'][k]:.0f} / {bf['batch64'][k]:.0f}" for k in bf["batch1"]))
+    lines.append(f"measured copy bandwidth {res['bandwidth_GBps']:.1f} GB/s; "
+                 f"batch-{b64['requests']} matmul chain {b64['chain_step_ms']:.0f} ms/step; "
+                 f"greedy agreement "
                  f"with HF (first 16 tokens) {b64['agree_first16']}/{b64['requests']}")
     return "\n".join(lines)
 

@@ -277,7 +277,7 @@ class Engine:
         self._forked(forks)
         finished = []
         for i, seq in enumerate(rows):
-            if out.sampled[i] and self._emit(seq, out, i, 1)[1]:
+            if out.sampled[i] and io.emit(seq, out, i, 1, self.tokenizer)[1]:
                 finished.append(seq)
         return self._touched(plan, finished)
 
@@ -305,7 +305,7 @@ class Engine:
         before = [(seq, seq.num_computed) for seq in rows]
         finished = []
         for i, seq in enumerate(rows):
-            used, done = self._emit(seq, out, i, int(out.valid[:, i].sum()))
+            used, done = io.emit(seq, out, i, int(out.valid[:, i].sum()), self.tokenizer)
             seq.num_computed += used
             seq.maybe_shared_last &= not used  # written: its last block is its own
             if done:
@@ -314,44 +314,6 @@ class Engine:
         return self._touched(plan, finished), int(out.steps)
 
     # ---- outputs -------------------------------------------------------------------------
-    def _emit(self, seq: Sequence, out, row: int, count: int) -> tuple[int, bool]:
-        """Appends the `count` tokens row `row` sampled (one step's, or one window's).
-
-        `out` is a host StepOut (fields [R]) or WindowOut (fields [W, R]). Detokenizes once
-        for the lot, except for requests with stop strings, which are checked after every
-        token (the text must end at the first hit). Returns (tokens taken, finished).
-        """
-        take = (lambda a: a[row:row + 1]) if out.tokens.ndim == 1 else (lambda a: a[:count, row])
-        toks = take(out.tokens).tolist()
-        if not toks:
-            return 0, False
-        req, params = seq.owner, seq.owner.params
-        now = time.time()
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-        req.metrics.last_token_time = now
-        lps = take(out.logprobs)
-        entries = [io.logprob_entry(t, lp, ti, tl, params.logprobs) for t, lp, ti, tl in zip(
-            toks, lps, take(out.top_ids), take(out.top_logprobs), strict=True)] \
-            if params.logprobs is not None else None
-        steps = [len(toks)] if not params.stop else [1] * len(toks)
-        taken = 0
-        for n in steps:  # one pass, or one per token when stop strings must be checked
-            seq.tokens += toks[taken:taken + n]
-            seq.cumulative_logprob += float(lps[taken:taken + n].sum())
-            if entries is not None:
-                seq.logprobs += entries[taken:taken + n]
-            taken += n
-            io.detokenize(seq, params, self.tokenizer)
-            hit = io.stop_string(seq, params)
-            if hit is not None:
-                seq.finish_reason, seq.stop_reason = "stop", hit
-                return taken, True
-        if not out.finished[row]:
-            return taken, False
-        seq.finish_reason, seq.stop_reason = io.finish_reason(int(out.reason[row]), toks[-1])
-        return taken, True
-
     def _touched(self, plan: Plan, finished: list[Sequence]) -> list[Request]:
         """Requests with news after a step: finished ones (released now) and those that ran."""
         touched = self._finish(finished)

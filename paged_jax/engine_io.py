@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -163,3 +164,42 @@ def stop_string(seq: Sequence, params: SamplingParams) -> str | None:
     i, s = min(hits)
     seq.text = seq.text[: i + len(s)] if params.include_stop_str_in_output else seq.text[:i]
     return s
+
+
+def emit(seq: Sequence, out, row: int, count: int, tok: Tokenizer) -> tuple[int, bool]:
+    """Appends the `count` tokens row `row` sampled (one step's, or one window's).
+
+    `out` is a host StepOut (fields [R]) or WindowOut (fields [W, R]). Detokenizes once
+    for the lot, except for requests with stop strings, which are checked after every
+    token (the text must end at the first hit). Returns (tokens taken, finished).
+    """
+    take = (lambda a: a[row:row + 1]) if out.tokens.ndim == 1 else (lambda a: a[:count, row])
+    toks = take(out.tokens).tolist()
+    if not toks:
+        return 0, False
+    req, params = seq.owner, seq.owner.params
+    now = time.time()
+    if req.metrics.first_token_time is None:
+        req.metrics.first_token_time = now
+    req.metrics.last_token_time = now
+    lps = take(out.logprobs)
+    entries = [logprob_entry(t, lp, ti, tl, params.logprobs) for t, lp, ti, tl in zip(
+        toks, lps, take(out.top_ids), take(out.top_logprobs), strict=True)] \
+        if params.logprobs is not None else None
+    steps = [len(toks)] if not params.stop else [1] * len(toks)
+    taken = 0
+    for n in steps:  # one pass, or one per token when stop strings must be checked
+        seq.tokens += toks[taken:taken + n]
+        seq.cumulative_logprob += float(lps[taken:taken + n].sum())
+        if entries is not None:
+            seq.logprobs += entries[taken:taken + n]
+        taken += n
+        detokenize(seq, params, tok)
+        hit = stop_string(seq, params)
+        if hit is not None:
+            seq.finish_reason, seq.stop_reason = "stop", hit
+            return taken, True
+    if not out.finished[row]:
+        return taken, False
+    seq.finish_reason, seq.stop_reason = finish_reason(int(out.reason[row]), toks[-1])
+    return taken, True

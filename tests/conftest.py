@@ -18,7 +18,8 @@ from jaxtyping import install_import_hook  # noqa: E402
 # naming the bad field, which a type checker in front of it would pre-empt.
 CHECKED = [
     "paged_jax.pool", "paged_jax.page_table", "paged_jax.kv_cache", "paged_jax.attention",
-    "paged_jax.sampling", "paged_jax.models", "paged_jax.step", "kernels",
+    "paged_jax.sampling", "paged_jax.sampling_state", "paged_jax.models", "paged_jax.step",
+    "kernels",
 ]
 install_import_hook(CHECKED, "beartype.beartype")
 

@@ -10,25 +10,9 @@ from hypothesis import strategies as st
 
 from paged_jax import attention
 from paged_jax.attention import default_backend, paged_attention, ragged_reference
+from tests.attention_helpers import naive
 
 S, P, K, H, G, D, MAX_Q = 3, 3, 4, 2, 2, 8, 3
-
-
-def naive(q, k_pages, v_pages, tables, lens, query_start, scale):
-    """Token by token, head by head: softmax over keys 0..pos in float64."""
-    out = np.zeros(q.shape, np.float64)
-    for s in range(len(lens)):
-        n = query_start[s + 1] - query_start[s]
-        for i in range(n):
-            pos = lens[s] - n + i
-            for j in range(q.shape[1]):
-                h = j // (q.shape[1] // k_pages.shape[0])
-                keys = np.stack([k_pages[h, tables[s, x // K], x % K] for x in range(pos + 1)])
-                vals = np.stack([v_pages[h, tables[s, x // K], x % K] for x in range(pos + 1)])
-                sc = keys @ q[query_start[s] + i, j] * scale
-                w = np.exp(sc - sc.max())
-                out[query_start[s] + i, j] = (w / w.sum()) @ vals
-    return out
 
 
 @st.composite

@@ -13,31 +13,11 @@ from hypothesis import strategies as st
 
 from kernels import cpu_attention
 from paged_jax.attention import cpu_kernel_available, default_backend, paged_attention
+from tests.attention_helpers import naive
 from tests.engine_helpers import GREEDY, engine, prompts, run, tokens
 
 pytestmark = pytest.mark.skipif(not cpu_kernel_available(),
                                 reason="no C++ compiler on this machine: the kernel cannot build")
-
-
-def naive(q, k_pages, v_pages, tables, lens, query_start, scale):
-    """Token by token, head by head: softmax over keys 0..pos in float64."""
-    q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
-    out = np.zeros(q.shape, np.float64)
-    h, _, kb, _ = k_pages.shape
-    group = q.shape[1] // h
-    for s in range(len(lens)):
-        n = query_start[s + 1] - query_start[s]
-        for i in range(n):
-            pos = lens[s] - n + i
-            for j in range(q.shape[1]):
-                keys = np.stack([k_pages[j // group, tables[s, x // kb], x % kb]
-                                 for x in range(pos + 1)])
-                vals = np.stack([v_pages[j // group, tables[s, x // kb], x % kb]
-                                 for x in range(pos + 1)])
-                sc = keys @ q[query_start[s] + i, j] * scale
-                w = np.exp(sc - sc.max())
-                out[query_start[s] + i, j] = (w / w.sum()) @ vals
-    return out
 
 
 @st.composite

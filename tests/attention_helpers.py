@@ -1,0 +1,26 @@
+"""The attention oracle shared by the reference and kernel tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def naive(q, k_pages, v_pages, tables, lens, query_start, scale):
+    """Token by token, head by head: softmax over keys 0..pos in float64."""
+    q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
+    out = np.zeros(q.shape, np.float64)
+    h, _, kb, _ = k_pages.shape
+    group = q.shape[1] // h
+    for s in range(len(lens)):
+        n = query_start[s + 1] - query_start[s]
+        for i in range(n):
+            pos = lens[s] - n + i
+            for j in range(q.shape[1]):
+                keys = np.stack([k_pages[j // group, tables[s, x // kb], x % kb]
+                                 for x in range(pos + 1)])
+                vals = np.stack([v_pages[j // group, tables[s, x // kb], x % kb]
+                                 for x in range(pos + 1)])
+                sc = keys @ q[query_start[s] + i, j] * scale
+                w = np.exp(sc - sc.max())
+                out[query_start[s] + i, j] = (w / w.sum()) @ vals
+    return out
