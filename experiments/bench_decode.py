@@ -2,7 +2,7 @@
 
     python -m experiments.bench_decode [--batches 1 32] [--prompt-len 64] [--steps 32]
 
-Load: cold = GGUF parse + dequantize + orbax write into a fresh cache dir; cached = orbax read.
+Load: cold = GGUF parse + dequantize + params-cache write into a fresh cache dir; cached = its read.
 Decode: after a prefill and one warm-up step (compile), `--steps` decode steps of the whole
 batch, each a full host round trip (models/runner.py: jitted paging plan + jitted forward +
 host argmax). Bandwidth counts the bytes a decode step must read at least (all params + the

@@ -14,10 +14,10 @@ Interpret mode is chosen automatically off GPU (by the kernels themselves).
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
 
 from kernels.paged_attention import DOT_MIN, decode_attention
 from kernels.ragged_paged_attention import ragged_paged_attention
-from paged_jax.types import Array, Float, Int
 
 TARGET_PROGRAMS = 256  # ~2 programs per SM on an H100/H200 (132 SMs)
 MIN_PAGES_PER_SPLIT = 8

@@ -39,8 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
-from paged_jax.types import Array, Float, Int
+from jaxtyping import Array, Float, Int
 
 Ref = Any  # a Pallas ref inside a kernel (not an Array)
 DType = Any  # jnp.float32 is a class, jnp.dtype("float32") an instance: both accepted
@@ -164,6 +163,29 @@ def combine_splits(
     return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
 
 
+def _check_variant(variant: str, block: int) -> str:
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown decode variant {variant!r}; expected one of {VARIANTS}")
+    if variant == "dot" and block < DOT_MIN:
+        raise ValueError(f"variant 'dot' needs block size >= {DOT_MIN}, got {block}")
+    return variant
+
+
+def _decode_outputs(nseq: int, h: int, splits: int, gp: int, d: int, dtype) -> tuple[list, list]:
+    """Output specs and shapes of the decode kernel: one [gp, d] block per (sequence, head),
+    or with `splits` > 0 the per-split partial output, running max and denominator (fp32)."""
+    if not splits:
+        return ([pl.BlockSpec((None, None, gp, d), lambda s, i, x: (s, i, 0, 0))],
+                [jax.ShapeDtypeStruct((nseq, h, gp, d), dtype)])
+    o_spec = pl.BlockSpec((None, None, None, gp, d), lambda s, i, x: (s, i, x, 0, 0))
+    st_spec = pl.BlockSpec((None, None, None, gp), lambda s, i, x: (s, i, x, 0))
+    return ([o_spec, st_spec, st_spec], [
+        jax.ShapeDtypeStruct((nseq, h, splits, gp, d), jnp.float32),
+        jax.ShapeDtypeStruct((nseq, h, splits, gp), jnp.float32),
+        jax.ShapeDtypeStruct((nseq, h, splits, gp), jnp.float32),
+    ])
+
+
 @functools.partial(
     jax.jit, static_argnames=("variant", "scale", "num_splits", "interpret", "num_warps")
 )
@@ -193,14 +215,10 @@ def decode_attention(
     Returns:
       [S, Q, D] attention output in q's dtype.
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown decode variant {variant!r}; expected one of {VARIANTS}")
     nseq, nq, d = q.shape
     h, _, block, _ = k_pages.shape
     g = nq // h
-    use_dot, split = variant == "dot", variant == "split"
-    if use_dot and block < DOT_MIN:
-        raise ValueError(f"variant 'dot' needs block size >= {DOT_MIN}, got {block}")
+    use_dot, split = _check_variant(variant, block) == "dot", variant == "split"
     gp = max(next_pow2(g), DOT_MIN) if use_dot else next_pow2(g)
     splits = num_splits if split else 1
     p = block_tables.shape[1]
@@ -211,18 +229,7 @@ def decode_attention(
     scale = d**-0.5 if scale is None else scale
     interpret = use_interpret() if interpret is None else interpret
     any_spec = pl.BlockSpec(memory_space=ANY)
-    if split:
-        o_spec = pl.BlockSpec((None, None, None, gp, d), lambda s, i, x: (s, i, x, 0, 0))
-        st_spec = pl.BlockSpec((None, None, None, gp), lambda s, i, x: (s, i, x, 0))
-        out_specs = [o_spec, st_spec, st_spec]
-        out_shape = [
-            jax.ShapeDtypeStruct((nseq, h, splits, gp, d), jnp.float32),
-            jax.ShapeDtypeStruct((nseq, h, splits, gp), jnp.float32),
-            jax.ShapeDtypeStruct((nseq, h, splits, gp), jnp.float32),
-        ]
-    else:
-        out_specs = [pl.BlockSpec((None, None, gp, d), lambda s, i, x: (s, i, 0, 0))]
-        out_shape = [jax.ShapeDtypeStruct((nseq, h, gp, d), q.dtype)]
+    out_specs, out_shape = _decode_outputs(nseq, h, splits if split else 0, gp, d, q.dtype)
     kernel = functools.partial(
         _decode_kernel, scale=scale, pages_per_split=pps, use_dot=use_dot, split=split
     )
@@ -254,7 +261,7 @@ def decode_reference(
     scale: float | None = None,
 ) -> Float[Array, "S Q D"]:
     """The ragged reference with one query per sequence."""
-    from paged_jax.attention import ragged_reference
+    from kernels.reference import ragged_reference
 
     nseq, _, d = q.shape
     query_start = jnp.arange(nseq + 1, dtype=jnp.int32)

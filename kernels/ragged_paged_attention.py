@@ -4,7 +4,7 @@
 Sequence s brings num_q[s] = query_start[s+1] - query_start[s] new tokens, the *last* num_q[s] of
 its seq_lens[s]-token context (their K/V already written). Query i sits at position
 seq_lens[s] - num_q[s] + i and sees keys 0..that position (causal inside the chunk, everything
-cached before it). Semantics are exactly `paged_jax.attention.ragged_reference`.
+cached before it). Semantics are exactly `kernels.reference.ragged_reference`.
 
     grid (S, H, ceil(max_q / BQ)): one program = BQ query tokens of one sequence x the Gp padded
     query heads of one KV head, as BQ * Gp rows of one tile, so a page of K/V is loaded once for
@@ -36,6 +36,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
 
 from kernels.paged_attention import (
     ANY,
@@ -51,7 +52,6 @@ from kernels.paged_attention import (
     time_fn,
     use_interpret,
 )
-from paged_jax.types import Array, Float, Int
 
 VARIANTS = ("grouped", "dot")
 
@@ -171,8 +171,8 @@ def ragged_paged_attention(
 
 
 def ragged_reference(*args, max_q: int, scale: float | None = None) -> Array:
-    """The library's jnp reference (paged_jax.attention.ragged_reference)."""
-    from paged_jax.attention import ragged_reference as ref
+    """The jnp reference (kernels/reference.py) with the default scale."""
+    from kernels.reference import ragged_reference as ref
 
     d = args[0].shape[-1]
     return ref(*args, max_q=max_q, scale=d**-0.5 if scale is None else scale)

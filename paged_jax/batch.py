@@ -33,17 +33,8 @@ from paged_jax import sampling as smp
 from paged_jax.prefix_cache import Hit
 from paged_jax.scheduler import Plan
 from paged_jax.sequence import Sequence
+from paged_jax.sizes import cdiv, next_pow2
 from paged_jax.step import Admissions, StepBatch, StepShape
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division: blocks holding `a` tokens of `b` each."""
-    return -(-a // b)
-
-
-def next_pow2(n: int, lo: int = 1) -> int:
-    """Smallest power of two >= max(n, lo): the shape buckets."""
-    return 1 << (max(n, lo) - 1).bit_length()
 
 
 def page_bucket(num_tokens: int, ec) -> int:

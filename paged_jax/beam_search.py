@@ -19,14 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import batch as batch_lib
-from paged_jax import engine_io as io
+from paged_jax import engine_input as inp
 from paged_jax import page_table as pt
 from paged_jax.engine import Engine, _to_host
-from paged_jax.outputs import BeamSearchOutput, BeamSearchSequence
+from paged_jax.outputs import BeamSearchOutput, BeamSearchSequence, Logprob
 from paged_jax.sampling import SampleFlags
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 from paged_jax.scheduler import Plan
 from paged_jax.sequence import Request, Sequence
+from paged_jax.sizes import cdiv
 from paged_jax.step import StepShape, decode_batch, release_slots, run_step
 
 _fork = jax.jit(pt.fork, donate_argnums=(0, 1))
@@ -38,6 +39,7 @@ class _Beam:
     slot: int
     tokens: list[int]
     cum: float = 0.0
+    logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
 
 
 def beam_search(engine: Engine, prompt, params: BeamSearchParams) -> tuple[BeamSearchOutput, int]:
@@ -49,13 +51,13 @@ def beam_search(engine: Engine, prompt, params: BeamSearchParams) -> tuple[BeamS
     if engine.has_unfinished():
         raise RuntimeError("beam_search needs an idle engine")
     w = params.beam_width
-    text, ids = io.prompt_ids(prompt, engine.tokenizer)
-    io.check_fits(SamplingParams(n=w, max_tokens=params.max_tokens, temperature=1.0), ids,
+    text, ids = inp.prompt_ids(prompt, engine.tokenizer)
+    inp.check_fits(SamplingParams(n=w, max_tokens=params.max_tokens, temperature=1.0), ids,
                   engine.config, engine.model_config)
     k = min(2 * w, engine.model_config.vocab_size)
     flags = SampleFlags(random=False, filters=False, penalties=False, logprobs=True,
                         num_top_logprobs=k)
-    free = engine.scheduler.free_slots
+    free = engine.kv.free_slots
     slots = [free.pop() for _ in range(w)]
     try:
         return _search(engine, flags, ids, slots, params)
@@ -71,16 +73,18 @@ def _search(engine, flags, ids, slots, params) -> tuple[BeamSearchOutput, int]:
     for step in range(params.max_tokens):
         cands = sorted(((b.cum + lp, b, t) for b in beams for t, lp in top[b.slot]),
                        key=lambda c: -c[0])
+        entries = {b.slot: _entries(engine, top[b.slot]) for b in beams}
         chosen = []
         for score, b, t in cands:
+            b = dataclasses.replace(b, logprobs=b.logprobs + [entries[b.slot]])
             if t in eos and not params.ignore_eos:
-                done.append(_Beam(-1, b.tokens + [t], score))
+                done.append(_Beam(-1, b.tokens + [t], score, b.logprobs))
             else:
                 chosen.append((score, b, t))
             if len(chosen) == w:
                 break
         if not chosen or step == params.max_tokens - 1:
-            done += [_Beam(-1, b.tokens + [t], s) for s, b, t in chosen]
+            done += [_Beam(-1, b.tokens + [t], s, b.logprobs) for s, b, t in chosen]
             break
         beams = _regroup(engine, chosen, slots)
         peak = max(peak, engine.config.num_kv_blocks - 1 - int(engine.state.pool.num_free))
@@ -98,11 +102,15 @@ def _prefill(engine, flags, ids, slot) -> dict[int, list[tuple[int, float]]]:
     out = None
     while seq.num_pending > 0:
         n = min(seq.num_pending, engine.config.max_num_batched_tokens)
+        engine.kv.make_room(cdiv(seq.num_computed + n, engine.config.block_size)
+                            - cdiv(seq.num_computed, engine.config.block_size))
         batch, shape, _, _ = batch_lib.build_step(Plan(chunks=[(seq, n)]), engine.config, [],
                                                   eos, vocab, engine.step_cfg.backend)
         engine.state, o = run_step(engine.params, engine.state, batch, cfg=engine.step_cfg,
                                    shape=dataclasses.replace(shape, flags=flags))
         out = _to_host(o)
+        if not out.ok:
+            raise RuntimeError("KV cache exhausted during beam search's prompt")
         seq.num_computed += n
     return {slot: list(zip(out.top_ids[0].tolist(), out.top_logprobs[0].tolist(), strict=True))}
 
@@ -116,12 +124,12 @@ def _regroup(engine, chosen, slots) -> list[_Beam]:
     for score, b, t in chosen:
         if b.slot not in keep:
             keep[b.slot] = True
-            beams.append(_Beam(b.slot, b.tokens + [t], score))
+            beams.append(_Beam(b.slot, b.tokens + [t], score, b.logprobs))
         else:
             s = free.pop()
             src.append(b.slot)
             dst.append(s)
-            beams.append(_Beam(s, b.tokens + [t], score))
+            beams.append(_Beam(s, b.tokens + [t], score, b.logprobs))
     _release(engine, [s for s in slots if s not in keep])  # fork targets must be empty
     if src:
         pad = engine.config.max_num_seqs
@@ -145,6 +153,7 @@ def _decode(engine, flags, beams) -> dict[int, list[tuple[int, float]]]:
     # Forked beams share their last block until they write it: every row may copy.
     shape = StepShape(max_q=1, max_copies=r, max_pages=batch_lib.page_bucket(max(ends), ec),
                       decode_pages=batch_lib.decode_page_bucket(ends, ec, r), flags=flags)
+    engine.kv.make_room(2 * len(beams))  # a new block and a private copy per beam at most
     batch = decode_batch(jnp.asarray(row_slots), jnp.asarray(tokens), jnp.asarray(row_slots >= 0),
                          engine.state.table.seq_lens)
     engine.state, o = run_step(engine.params, engine.state, batch, cfg=engine.step_cfg,
@@ -164,7 +173,13 @@ def _release(engine, slots) -> None:
     if mask.any():
         pool, table = release_slots(engine.state.pool, engine.state.table, jnp.asarray(mask))
         engine.state = dataclasses.replace(engine.state, pool=pool, table=table)
-        engine.num_free = int(pool.num_free)
+        engine.kv.num_free = int(pool.num_free)
+
+
+def _entries(engine, top: list[tuple[int, float]]) -> dict[int, Logprob]:
+    """A beam position's top 2W candidates as vLLM reports them (rank, decoded text)."""
+    return {t: Logprob(lp, rank=r + 1, decoded_token=engine.tokenizer.decode([t], False))
+            for r, (t, lp) in enumerate(top)}
 
 
 def _output(engine, ids, done, params) -> BeamSearchOutput:
@@ -175,7 +190,7 @@ def _output(engine, ids, done, params) -> BeamSearchOutput:
 
     best = sorted(done, key=score, reverse=True)[: params.beam_width]
     return BeamSearchOutput([
-        BeamSearchSequence(tokens=list(ids) + b.tokens, cum_logprob=b.cum,
+        BeamSearchSequence(tokens=list(ids) + b.tokens, logprobs=b.logprobs, cum_logprob=b.cum,
                            text=engine.tokenizer.decode(b.tokens),
                            finish_reason="stop" if b.tokens and b.tokens[-1] in
                            engine.model_config.eos_token_ids else "length")

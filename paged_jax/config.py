@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from paged_jax.sizes import cdiv
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
@@ -38,4 +40,61 @@ class CacheConfig:
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks a sequence of `num_tokens` tokens holds: ceil(n / K)."""
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs (vLLM's names where they exist).
+
+    Attributes:
+      block_size: tokens per KV block.
+      num_kv_blocks: blocks in the pool (block 0 is the reserved zero block).
+      max_num_seqs: sequence slots, the most sequences in a step.
+      max_num_batched_tokens: token budget of a step.
+      max_model_len: longest prompt + output.
+      preemption_mode: "recompute" or "swap".
+      decode_window: decode steps per device call when only decodes run (1 = every step).
+      backend: attention backend; None picks by platform.
+      max_logprobs: the most top logprobs a request may ask for (static).
+      seed: engine seed, used for requests without their own.
+      reservation: KV reservation policy: "paged" (on demand, ours), or the baselines
+        "static", "orca-max", "orca-pow2", "orca-oracle" (see reservation.py).
+      enable_prefix_caching: reuse cached full blocks across requests (prefix_cache.py).
+      admission: "fcfs", or "cache-aware" (longest cached prefix first; needs caching).
+      max_skips: cache-aware admission passes a request over at most this many times.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int = 512
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 1024
+    preemption_mode: str = "recompute"
+    decode_window: int = 8
+    backend: str | None = None
+    max_logprobs: int = 0
+    seed: int = 0
+    reservation: str = "paged"
+    enable_prefix_caching: bool = True
+    admission: str = "fcfs"
+    max_skips: int = 8
+
+    def __post_init__(self) -> None:
+        if self.admission not in ("fcfs", "cache-aware"):
+            raise ValueError(f"admission must be 'fcfs' or 'cache-aware', got {self.admission!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', "
+                             f"got {self.preemption_mode!r}")
+        if self.max_model_len > self.max_num_batched_tokens * 1024:
+            raise ValueError("max_model_len is implausibly large for the token budget")
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
+                     "max_model_len", "decode_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def cache(self) -> CacheConfig:
+        return CacheConfig(num_blocks=self.num_kv_blocks, block_size=self.block_size,
+                           max_seqs=self.max_num_seqs,
+                           max_blocks_per_seq=cdiv(self.max_model_len, self.block_size))

@@ -14,6 +14,7 @@ import numpy as np
 
 from paged_jax.page_table import PageTable
 from paged_jax.pool import BlockPool
+from paged_jax.sizes import cdiv
 from paged_jax.types import NULL_BLOCK
 
 
@@ -62,7 +63,7 @@ def check_invariants(pool: BlockPool, table: PageTable) -> None:
         if not live[s]:
             _check(lens[s] == 0 and not tables[s].any(), f"dead slot {s} holds blocks or length")
             continue
-        held = -(-int(lens[s]) // k)
+        held = cdiv(int(lens[s]), k)
         row = tables[s]
         _check(bool(np.all(row[:held] != NULL_BLOCK)),
                f"seq {s} (len {lens[s]}) misses a block in its first {held} pages: {row}")

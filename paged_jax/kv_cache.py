@@ -14,6 +14,7 @@ pool, against 0.1 s with per-layer buffers). Separate buffers are written in pla
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +58,14 @@ def init_kv_cache(
     dtype: jnp.dtype = jnp.float32,
 ) -> KVCache:
     """An all-zero cache."""
-    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    return _zeros(num_layers, (num_kv_heads, num_blocks, block_size, head_dim),
+                  jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _zeros(num_layers: int, shape: tuple[int, ...], dtype: jnp.dtype) -> KVCache:
+    # One program fills every layer, on XLA's thread pool: 3-4x faster than one eager
+    # jnp.zeros per array (a second of a fresh process's start with a 1 GiB pool).
     return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
                    tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
 

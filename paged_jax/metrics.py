@@ -37,6 +37,7 @@ import numpy as np
 
 from paged_jax.reservation import true_len
 from paged_jax.sequence import Status
+from paged_jax.sizes import cdiv
 
 CATEGORIES = ("token_states", "reserved_future", "internal_frag", "external_frag")
 
@@ -73,12 +74,12 @@ def kv_snapshot(engine) -> dict:
     sch, bs = engine.scheduler, engine.config.block_size
     out = dict.fromkeys(CATEGORIES, 0) | {"blocks_private": 0}
     for req in sch.running:
-        r = -(-sch.policy.reserved_tokens(req) // bs)
+        r = cdiv(sch.policy.reserved_tokens(req), bs)
         final = true_len(req)
         for s in req.seqs:
             if s.status is not Status.RUNNING:
                 continue
-            alloc = -(-s.num_computed // bs)
+            alloc = cdiv(s.num_computed, bs)
             held = max(r, alloc) * bs
             future = max(0, min(held, final) - alloc * bs)
             out["token_states"] += s.num_computed
@@ -87,7 +88,7 @@ def kv_snapshot(engine) -> dict:
             out["blocks_private"] += alloc  # what it would hold with nothing shared
     head = sch.waiting[0] if sch.waiting else None
     out["external_frag"] = sch.policy.external_fragmentation(head) * bs
-    out["blocks_used"] = engine.config.num_kv_blocks - 1 - engine.num_free
+    out["blocks_used"] = engine.kv.blocks_used()  # cached-free blocks count as free
     return out
 
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from paged_jax import pool as pool_lib
 from paged_jax.config import CacheConfig
 from paged_jax.pool import BlockPool
+from paged_jax.sizes import cdiv
 from paged_jax.types import NULL_BLOCK, PAD_SLOT, Array, Bool, Int
 
 
@@ -58,7 +59,7 @@ def init_page_table(cfg: CacheConfig) -> PageTable:
 
 def num_blocks_held(table: PageTable) -> Int[Array, "S"]:
     """ceil(seq_len / K) per slot."""
-    return -(-table.seq_lens // table.block_size)
+    return cdiv(table.seq_lens, table.block_size)
 
 
 def add_sequence(table: PageTable, slot: Int[Array, ""] | int) -> PageTable:
@@ -140,7 +141,7 @@ def reserve_slots(
     m = p if max_new_blocks is None else min(max_new_blocks, p)
     n = jnp.where(table.live, num_new.astype(jnp.int32), 0)
     old_len, new_len = table.seq_lens, table.seq_lens + n
-    old_blocks, new_blocks = -(-old_len // k), -(-new_len // k)
+    old_blocks, new_blocks = cdiv(old_len, k), cdiv(new_len, k)
     rows = jnp.arange(table.live.shape[0])
     last = table.block_tables[rows, jnp.clip(old_blocks - 1, 0)]
     cow = _needs_copy(pool, last, (n > 0) & (old_len % k != 0))

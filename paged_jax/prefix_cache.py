@@ -33,6 +33,7 @@ from collections.abc import Callable
 import numpy as np
 
 from paged_jax.sequence import Request, Sequence
+from paged_jax.sizes import cdiv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +105,7 @@ class PrefixCache:
                 break
             blocks.append(e.block)
         num_tokens = min(len(blocks) * k, n - 1)
-        blocks = blocks[: -(-num_tokens // k)]
+        blocks = blocks[: cdiv(num_tokens, k)]
         return Hit(tuple(blocks), num_tokens, sum(b in self.evictable for b in blocks))
 
     def acquire(self, hit: Hit) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from paged_jax.sequence import Request
+from paged_jax.sizes import cdiv, next_pow2
 
 POLICIES = ("paged", "static", "orca-max", "orca-pow2", "orca-oracle")
 
@@ -36,10 +37,6 @@ POLICIES = ("paged", "static", "orca-max", "orca-pow2", "orca-oracle")
 def true_len(req: Request) -> int:
     """Prompt + output tokens of a request (output = max_tokens; exact with ignore_eos)."""
     return len(req.prompt_token_ids) + int(req.params.max_tokens or 0)
-
-
-def next_pow2(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()
 
 
 class Arena:
@@ -108,7 +105,7 @@ class Policy:
 
     def reserved_blocks(self, req: Request) -> int:
         """Blocks reserved for the whole request at admission (all its sequences)."""
-        return req.params.n * -(-self.reserved_tokens(req) // self.block_size)
+        return req.params.n * cdiv(self.reserved_tokens(req), self.block_size)
 
     def admits(self, req: Request, running: list[Request], waiting: list[Request]) -> bool:
         """Whether `req`, the head of the `waiting` queue, may be admitted now."""

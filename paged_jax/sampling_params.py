@@ -45,7 +45,7 @@ class SamplingParams:
       prompt_logprobs: not supported; must be None.
       detokenize: produce output text.
       skip_special_tokens: drop special tokens from the output text.
-      spaces_between_special_tokens: vLLM's detokenizer option.
+      spaces_between_special_tokens: vLLM's detokenizer option; only True is supported.
       include_stop_str_in_output: keep the matched stop string at the end of the text.
     """
 
@@ -107,6 +107,11 @@ class SamplingParams:
             raise ValueError("prompt_logprobs is not supported by paged-jax; pass None.")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, low=0)
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are matched in the text).")
+        if not self.spaces_between_special_tokens:
+            raise ValueError("spaces_between_special_tokens must be True: paged-jax's "
+                             "tokenizer decodes special tokens as written.")
 
     def _verify_greedy(self) -> None:
         if self.n > 1:
@@ -143,9 +148,9 @@ class BeamSearchParams:
       beam_width: beams kept per step, >= 1.
       max_tokens: most tokens generated, >= 1.
       ignore_eos: keep extending beams after EOS.
-      temperature: >= 0, applied to the logits before the log-softmax that scores beams.
+      temperature: must be 0: beams are scored on unscaled log-probabilities.
       length_penalty: score = cum_logprob / len ** length_penalty.
-      include_stop_str_in_output: keep the stop string in the text.
+      include_stop_str_in_output: must be False (beam search has no stop strings).
     """
 
     beam_width: int
@@ -160,6 +165,12 @@ class BeamSearchParams:
         _check_int("max_tokens", self.max_tokens, low=1)
         _check_range("temperature", self.temperature, 0.0, float("inf"))
         _check_range("length_penalty", self.length_penalty, float("-inf"), float("inf"))
+        if self.temperature != 0.0:
+            raise ValueError("temperature must be 0 for paged-jax's beam search (beams are "
+                             f"scored on unscaled log-probabilities), got {self.temperature}.")
+        if self.include_stop_str_in_output:
+            raise ValueError("include_stop_str_in_output is not supported by beam search "
+                             "(it has no stop strings); pass False.")
 
 
 def _normalise_stop(stop: str | list[str] | None) -> list[str]:

@@ -14,6 +14,7 @@ The sampler that reads this state is sampling.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,7 @@ class SamplingState:
         return self.prompt_mask.shape[1]
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))  # one program, not 16 eager fills
 def init_sampling_state(
     max_seqs: int, vocab_size: int, max_stop_ids: int = MAX_STOP_IDS
 ) -> SamplingState:

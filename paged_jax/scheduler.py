@@ -15,15 +15,19 @@ When the free blocks cannot cover steps 1-2, the most recently admitted running 
 preempted (all its sequences): its blocks are freed and it goes back to the front of the
 queue, to be recomputed (default) or swapped back in. A preempted request loses nothing.
 
-The scheduler only plans; the engine executes the plan on the device.
+The scheduler plans; the KV manager (kv_manager.py) it holds owns the slots and blocks and
+frees a preempted request's blocks; the engine runs the plan on the device. A plan of decodes
+only runs as a decode window (several steps in one device call) unless something must join
+the batch first: a slot going live, an n > 1 request to fork, or a waiting request that fits.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import itertools
 
 from paged_jax import prefix_cache as pc
+from paged_jax.kv_manager import KVManager, blocks_needed
 from paged_jax.reservation import Policy, make_policy
 from paged_jax.sequence import Request, Sequence, Status
 
@@ -37,6 +41,7 @@ class SchedulerConfig:
     block_size: int = 16
     admission: str = "fcfs"  # or "cache-aware" (longest cached prefix first)
     max_skips: int = 8  # cache-aware: the most times a request may be passed over
+    decode_window: int = 1  # decode steps per device call when only decodes run
 
 
 @dataclasses.dataclass
@@ -45,6 +50,7 @@ class Plan:
 
     chunks: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
     admitted: list[Request] = dataclasses.field(default_factory=list)
+    window: bool = False  # run as a decode window (decodes only, nothing joins)
 
     @property
     def num_tokens(self) -> int:
@@ -55,34 +61,25 @@ class Plan:
         return bool(self.chunks) and all(n == 1 for _, n in self.chunks)
 
 
-def blocks_needed(seq: Sequence, n: int, block_size: int) -> int:
-    """Upper bound on the blocks `seq` gains by computing `n` more tokens (copy included)."""
-    have = -(-seq.num_computed // block_size)
-    restore = have if seq.swapped is not None else 0  # swapped blocks come back first
-    grow = -(-(seq.num_computed + n) // block_size) - have
-    copy = int(seq.maybe_shared_last and seq.num_computed % block_size != 0 and n > 0)
-    return restore + grow + copy
-
-
 class Scheduler:
     """Queues and the scheduling rule above.
 
     Args:
       config: step limits.
-      num_slots: page-table slots (a request holds one per sequence from admission to finish,
-        also while preempted, so its sampling state survives).
+      kv: the KV manager: slots (a request holds one per sequence from admission to finish,
+        also while preempted, so its sampling state survives), blocks, prefix cache.
       policy: KV reservation policy (reservation.py), consulted before the block check when
         admitting; None = on-demand paging.
     """
 
-    def __init__(self, config: SchedulerConfig, num_slots: int, policy: Policy | None = None):
-        self.config = config
-        self.policy = policy or make_policy("paged", config.block_size, 0, 0, num_slots)
+    def __init__(self, config: SchedulerConfig, kv: KVManager, policy: Policy | None = None):
+        self.config, self.kv = config, kv
+        self.policy = policy or make_policy("paged", config.block_size, 0, 0, config.max_num_seqs)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
-        self.prefix: pc.PrefixCache | None = None  # set by the engine when caching is on
         self.skips: dict[str, int] = {}  # cache-aware admission: times passed over
+        self.num_preempted = 0
+        self._orders = itertools.count()  # admission counters
 
     # ---- queues --------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -95,10 +92,9 @@ class Scheduler:
         self.waiting.sort(key=lambda r: (r.order < 0, r.order if r.order >= 0 else 0))
 
     def finish(self, req: Request) -> None:
+        """Drops a finished or aborted request (its blocks must be released already)."""
         for s in req.seqs:
-            if s.slot >= 0:
-                self.free_slots.append(s.slot)
-                s.slot = -1
+            self.kv.free_slot(s)
         self.policy.on_finish(req)
         for q in (self.running, self.waiting):
             if req in q:
@@ -108,20 +104,22 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- planning ------------------------------------------------------------------------
-    def schedule(
-        self, num_free: int, preempt: Callable[[Request], int], next_order: Callable[[], int]
-    ) -> Plan:
-        """Plans one step.
+    def preempt(self, req: Request) -> int:
+        """Frees a running request's blocks (the KV manager swaps them out first in swap mode)
+        and puts it back at the front of the queue; returns the blocks a plan may use now."""
+        seqs = [s for s in req.seqs if s.status is Status.RUNNING]
+        free = self.kv.preempt(seqs)
+        for s in seqs:
+            s.status, s.maybe_shared_last = Status.WAITING, False
+            if s.swapped is None:
+                s.num_computed = 0  # recompute
+        self.requeue_front(req)
+        self.num_preempted += 1
+        return free
 
-        Args:
-          num_free: free blocks in the pool now.
-          preempt: frees a running request's blocks on the device; returns the new num_free.
-          next_order: hands out admission counters.
-
-        Returns:
-          The plan (possibly empty when nothing fits yet).
-        """
-        plan, budget, free = Plan(), self.config.max_num_batched_tokens, num_free
+    def schedule(self) -> Plan:
+        """Plans one step (possibly empty when nothing fits yet); may preempt."""
+        plan, budget, free = Plan(), self.config.max_num_batched_tokens, self.kv.free_total()
         used = 0  # blocks this plan has already claimed (not yet taken on the device)
         k = self.config.block_size
         for want_decode in (True, False):
@@ -136,15 +134,31 @@ class Scheduler:
                             break
                         # preempt() reports the device's free count, which does not yet
                         # know about the blocks planned above.
-                        free = preempt(victim) - used
+                        free = self.preempt(victim) - used
                     if blocks_needed(seq, n, k) > free or req not in self.running:
                         continue
                     used += blocks_needed(seq, n, k)
                     free -= blocks_needed(seq, n, k)
                     budget -= n
                     plan.chunks.append((seq, n))
-        self._admit(plan, budget, free, next_order)
+        self._admit(plan, budget, free)
+        plan.window = self._window(plan)
         return plan
+
+    def _window(self, plan: Plan) -> bool:
+        """Whether a plan runs as a decode window: decodes only, and nothing joins first."""
+        if self.config.decode_window < 2 or not plan.decode_only or plan.admitted:
+            return False
+        for s, _ in plan.chunks:
+            if not self.kv.slot_live[s.slot] or (s.owner.params.n > 1 and not s.owner.forked):
+                return False  # going live, or a one-token prompt that must fork
+        return not self._can_admit()
+
+    def _can_admit(self) -> bool:
+        """Whether a waiting request could join now (then a window would delay it)."""
+        return bool(self.waiting) and any(
+            r.seqs[0].slot >= 0 or self.kv.free_slots for r in self.waiting) and (
+            self.policy.admits(self.waiting[0], self.running, self.waiting))
 
     def _victim(self, exclude: Request, planned: Plan) -> Request | None:
         """The most recently admitted running request other than `exclude` and not planned."""
@@ -153,43 +167,40 @@ class Scheduler:
                  and not any(id(s) in planned_reqs for s in r.seqs)]
         return max(cands, key=lambda r: r.order) if cands else None
 
-    def _admit(self, plan: Plan, budget: int, free: int, next_order: Callable[[], int]) -> None:
+    def _admit(self, plan: Plan, budget: int, free: int) -> None:
         before = list(self.waiting)
-        self._admit_queue(plan, budget, free, next_order)
+        self._admit_queue(plan, budget, free)
         if self.config.admission == "cache-aware":
             pc.count_skips(before, plan.admitted, self.skips)
 
     def _queue(self) -> list[Request]:
         """Waiting requests in admission order."""
-        if self.config.admission != "cache-aware" or self.prefix is None:
+        if self.config.admission != "cache-aware" or self.kv.prefix is None:
             return list(self.waiting)
         return pc.cache_aware_order(self.waiting, self._cached_len, self.skips,
                                     self.config.max_skips)
 
     def _cached_len(self, req: Request) -> int:
-        return self.prefix.lookup(req.seqs[0]).num_tokens if pc.fresh(req) else 0
+        return self.kv.prefix.lookup(req.seqs[0]).num_tokens if pc.fresh(req) else 0
 
     def _prefix_hit(self, req: Request) -> pc.Hit | None:
         """Starts a fresh request at its cached prefix (tentatively: undone if not admitted)."""
-        if self.prefix is None or not pc.fresh(req):
+        if self.kv.prefix is None or not pc.fresh(req):
             return None
-        hit = self.prefix.lookup(req.seqs[0])
+        hit = self.kv.prefix.lookup(req.seqs[0])
         if not hit.blocks:
             return None
         pc.apply_hit(req.seqs[0], hit, self.config.block_size)
         return hit
 
-    def _admit_queue(
-        self, plan: Plan, budget: int, free: int, next_order: Callable[[], int]
-    ) -> None:
+    def _admit_queue(self, plan: Plan, budget: int, free: int) -> None:
         k = self.config.block_size
         queue = self._queue()
         while queue and budget > 0:
             req = queue[0]
             first = req.live_seqs()[0] if req.forked else req.seqs[0]
             seqs = req.live_seqs() if req.forked else [req.seqs[0]]
-            slots_needed = sum(1 for s in req.seqs if s.slot < 0)
-            if slots_needed > len(self.free_slots):
+            if not self.kv.can_allocate(req.seqs):
                 return
             if not self.policy.admits(req, self.running, self.waiting):
                 return  # a baseline's reservation does not fit (or static batch closed)
@@ -208,18 +219,17 @@ class Scheduler:
                 return
             queue.pop(0)
             self.waiting.remove(req)
-            if self.prefix is not None and req.order < 0:  # first admission, as vLLM reports
+            prefix = self.kv.prefix
+            if prefix is not None and req.order < 0:  # first admission, as vLLM reports
                 req.num_cached_tokens = hit.num_tokens if hit else 0
-                self.prefix.count(len(first.tokens), req.num_cached_tokens)
+                prefix.count(len(first.tokens), req.num_cached_tokens)
             if hit:
-                self.prefix.acquire(hit)
-            for s in req.seqs:
-                if s.slot < 0:
-                    s.slot = self.free_slots.pop()
+                prefix.acquire(hit)
+            self.kv.allocate(req.seqs)
             for s in seqs:
                 s.status = Status.RUNNING
             if req.order < 0:
-                req.order = next_order()
+                req.order = next(self._orders)
             self.running.append(req)
             self.policy.on_admit(req)
             plan.chunks.extend(chunks)

@@ -7,6 +7,10 @@
     F forks (pairs)  C copy pairs               R query groups (rows or tiles)
     M queries per group (or stop ids per row)   X key slots (P * K)
     J top logprobs per row                      A admitted requests in a step
+    W decode steps in a window
+
+"Slot" means a sequence's row of the page table (S slots). Where a token's K/V lands in the
+pool (block * K + offset) is its *cache position*, the values of `slot_mapping` (vLLM's name).
 
 Shapes are written in annotations as strings, e.g. ``Int[Array, "S P"]``.
 """

@@ -30,6 +30,7 @@ import dataclasses
 import numpy as np
 
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.sizes import cdiv
 
 # Opening of "A Tale of Two Cities" (Dickens, 1859; public domain).
 TEXT = (
@@ -113,7 +114,7 @@ def arrivals(n: int, rate: float, rng: np.random.Generator, cv: float = 1.0) -> 
 def text_prompt(n_tokens: int, tokenizer, text: str = TEXT) -> list[int]:
     """Exactly n_tokens token ids of real text: `text` repeated, cut at the length."""
     ids = tokenizer.encode(text)
-    reps = -(-n_tokens // max(1, len(ids)))
+    reps = cdiv(n_tokens, max(1, len(ids)))
     return (ids * reps)[:n_tokens]
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_jax import attention
+from kernels import reference
 from paged_jax.attention import default_backend, paged_attention, ragged_reference
 from tests.attention_helpers import naive
 
@@ -58,13 +58,13 @@ def test_query_tiles_match_naive(batch, tile, rows):
         n = np.diff(qs)
         n[rows:] = np.minimum(n[rows:], 1)
         qs = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
-    old = attention.QUERY_TILE
-    attention.QUERY_TILE = tile
+    old = reference.QUERY_TILE
+    reference.QUERY_TILE = tile
     try:
         got = paged_attention(*(jnp.asarray(x) for x in (q, k, v, tables, lens, qs)),
                               max_q=MAX_Q, scale=0.3, max_q_rows=rows)
     finally:
-        attention.QUERY_TILE = old
+        reference.QUERY_TILE = old
     np.testing.assert_allclose(np.asarray(got), naive(q, k, v, tables, lens, qs, 0.3),
                                atol=1e-5, rtol=1e-5)
 

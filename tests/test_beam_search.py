@@ -40,6 +40,11 @@ def test_beams_match_reference_and_share_blocks():
     want = sorted(ref)
     assert [g[0] for g in got] == [w[0] for w in want]
     np.testing.assert_allclose([g[1] for g in got], [w[1] for w in want], atol=1e-4)
+    for s in out.sequences:  # vLLM's per-position candidates: each chosen token among them
+        new = s.tokens[len(ids):]
+        pairs = list(zip(new, s.logprobs, strict=True))  # raises if the lengths differ
+        assert all(t in d for t, d in pairs)
+        assert np.isclose(sum(d[t].logprob for t, d in pairs), s.cum_logprob, atol=1e-4)
     independent = 3 * -(-(len(ids) + 5) // 8)
     assert peak < independent, (peak, independent)
     assert all_free(eng) and not eng.has_unfinished()

@@ -105,6 +105,8 @@ def test_stop_strings_tokens_min_tokens_and_logprobs(batched_greedy):
     pairs = list(zip(c.token_ids, c.logprobs, strict=True))
     assert len(pairs) == 3 and all(tok in d for tok, d in pairs)
     assert np.isclose(sum(d[t].logprob for t, d in pairs), c.cumulative_logprob, atol=1e-4)
+    assert all(x.decoded_token == eng.tokenizer.decode([i], False)
+               for _, d in pairs for i, x in d.items())
 
 
 def test_min_tokens_holds_back_a_stop_token():
@@ -137,6 +139,19 @@ def test_request_larger_than_cache_is_rejected():
         eng.add_request("big", "y" * 40, SamplingParams(max_tokens=100))
     with pytest.raises(ValueError, match="logprobs"):
         eng.add_request("lp", "y", SamplingParams(max_tokens=2, logprobs=10))
+
+
+@pytest.mark.parametrize("params, match", [
+    (SamplingParams(max_tokens=4, stop_token_ids=list(range(1, 10))), "at most 8"),
+    (SamplingParams(max_tokens=4, stop_token_ids=[10**6]), "vocabulary"),
+])
+def test_bad_parameters_are_rejected_at_submission_and_the_engine_keeps_serving(params, match):
+    eng = engine()
+    with pytest.raises(ValueError, match=match):
+        eng.add_request("bad", "a prompt", params)
+    assert not eng.has_unfinished() and "bad" not in eng.requests
+    outs = run(eng, [("good", "a prompt", GREEDY)])
+    assert len(tokens(outs, "good")[0]) == GREEDY.max_tokens
 
 
 def test_decode_window_matches_single_steps(batched_greedy):

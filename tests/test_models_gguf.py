@@ -109,3 +109,10 @@ def test_gguf_unsupported_architecture(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="unsupported GGUF architecture"):
         load_model(path, use_cache=False)
+
+
+def test_sentencepiece_gguf_tokenizer_gets_a_clear_error():
+    from paged_jax.models.tokenizer import tokenizer_from_gguf
+
+    with pytest.raises(ValueError, match="SentencePiece.*Hugging Face folder"):
+        tokenizer_from_gguf({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})

@@ -63,8 +63,11 @@ def test_pickle_checkpoints_refused(tmp_path):
 
 
 def test_missing_files(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not found"):
+    with pytest.raises(FileNotFoundError, match="not found") as err:
         load_model(tmp_path / "nope.gguf")
+    assert "hub id" not in str(err.value)
+    with pytest.raises(FileNotFoundError, match="hub id.*never downloads.*local folder"):
+        load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
     with pytest.raises(FileNotFoundError, match="safetensors"):
         load_model(tmp_path)
     folder = write_folder(tmp_path / "m")

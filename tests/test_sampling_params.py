@@ -70,6 +70,8 @@ def test_clone_does_not_share_lists():
         (dict(seed="7"), "seed"),
         (dict(seed=True), "seed"),
         (dict(temperature=0.0, n=2), "n"),
+        (dict(stop=["x"], detokenize=False), "stop"),
+        (dict(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
     ],
 )
 def test_invalid_field_is_named(kwargs, field):
@@ -89,6 +91,9 @@ def test_beam_search_params():
         (dict(beam_width=2, max_tokens=0), "max_tokens"),
         (dict(beam_width=2, max_tokens=8, temperature=-1.0), "temperature"),
         (dict(beam_width=2, max_tokens=8, length_penalty=float("nan")), "length_penalty"),
+        (dict(beam_width=2, max_tokens=8, temperature=0.5), "temperature"),
+        (dict(beam_width=2, max_tokens=8, include_stop_str_in_output=True),
+         "include_stop_str_in_output"),
     ],
 )
 def test_beam_search_invalid_field_is_named(kwargs, field):

@@ -158,6 +158,20 @@ def mlp_block(p: Params, x: Float[Array, "T E"]) -> Float[Array, "T E"]:
     return (jax.nn.silu(gate) * up) @ p["w_down"]
 
 
+@functools.partial(jax.jit, static_argnames=("config", "attn"))
+def decoder_layer(
+    p: Params, x: Float[Array, "T E"], kv: tuple[Array, Array], batch: tuple,
+    rot: tuple[Array, Array], *, config: ModelConfig, attn: tuple,
+) -> tuple[Float[Array, "T E"], tuple[Array, Array]]:
+    """One pre-norm decoder layer. Jitted on its own so that a forward traces it once, not
+    once per layer: inside the step's program it is a call XLA inlines (the compiled code is
+    that of the unrolled loop), while tracing and lowering a 30-layer step cost one layer."""
+    a, kv = attention_block(p, rms_norm(x, p["attn_norm"], config.rms_norm_eps), kv, batch,
+                            rot, config, dict(attn))
+    x = x + a
+    return x + mlp_block(p, rms_norm(x, p["mlp_norm"], config.rms_norm_eps)), kv
+
+
 def forward(
     params: Params,
     cache: KVCache,
@@ -199,13 +213,12 @@ def forward(
     rot = rope_tables(positions, jnp.asarray(inv_frequencies(config)))
     batch = (positions, slot_mapping, block_tables, seq_lens, query_start)
     eps = config.rms_norm_eps
-    attn = dict(max_q=max_q, backend=backend, max_q_rows=max_q_rows, decode_pages=decode_pages)
+    attn = (("max_q", max_q), ("backend", backend), ("max_q_rows", max_q_rows),
+            ("decode_pages", decode_pages))
     ks, vs = list(cache.k), list(cache.v)
     for i, p in enumerate(runtime_layers(params)):
-        a, (ks[i], vs[i]) = attention_block(
-            p, rms_norm(x, p["attn_norm"], eps), (ks[i], vs[i]), batch, rot, config, attn)
-        x = x + a
-        x = x + mlp_block(p, rms_norm(x, p["mlp_norm"], eps))
+        x, (ks[i], vs[i]) = decoder_layer(p, x, (ks[i], vs[i]), batch, rot, config=config,
+                                          attn=attn)
     cache = KVCache(tuple(ks), tuple(vs))
     if not all_logits:
         x = x[jnp.clip(query_start[1:] - 1, 0)]

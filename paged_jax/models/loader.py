@@ -42,7 +42,12 @@ def default_model_path() -> Path:
 def _sources(path: Path) -> tuple[str, list[Path]]:
     """("gguf" | "hf", the files whose content defines the model); validates the path."""
     if not path.exists():
-        raise FileNotFoundError(f"model path not found: {path}")
+        hub_id = len(path.parts) == 2 and not str(path).startswith((".", "/", "~"))
+        hint = (" It looks like a Hugging Face hub id: paged-jax never downloads weights. "
+                "Download the repository first (e.g. `huggingface-cli download "
+                f"{path} --local-dir DIR`) and pass the local folder DIR, or a .gguf file."
+                if hub_id else "")
+        raise FileNotFoundError(f"model path not found: {path}.{hint}")
     if path.is_file():
         if path.suffix == ".gguf":
             return "gguf", [path]
@@ -82,7 +87,7 @@ def load_model(
     Args:
       path: checkpoint; None = `default_model_path()`.
       dtype: params (and compute) dtype, e.g. jnp.float32 or jnp.bfloat16.
-      use_cache: read/write the dequantized params in the orbax cache (param_cache.py).
+      use_cache: read/write the dequantized params in the params cache (param_cache.py).
 
     Returns:
       (config, params, tokenizer).

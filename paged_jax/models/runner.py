@@ -18,6 +18,7 @@ from paged_jax.config import CacheConfig
 from paged_jax.kv_cache import KVCache, init_kv_cache
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.llama import Params, make_forward, prepare_params
+from paged_jax.sizes import cdiv
 from paged_jax.types import Array, Int
 
 
@@ -127,7 +128,7 @@ def runner_for(
     backend: str = "reference", shuffle_seed: int | None = None,
 ) -> Runner:
     """A Runner with just enough blocks for `num_seqs` sequences of `max_len` tokens."""
-    per_seq = -(-max_len // block_size)
+    per_seq = cdiv(max_len, block_size)
     cfg = CacheConfig(
         num_blocks=num_seqs * per_seq + 1, block_size=block_size, max_seqs=num_seqs,
         max_blocks_per_seq=per_seq,

@@ -95,7 +95,10 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
     """Builds the tokenizer from GGUF `tokenizer.*` metadata (byte-level BPE only)."""
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE)")
+        sp = " (SentencePiece)" if kind == "llama" else ""
+        raise ValueError(f"GGUF tokenizer model {kind!r}{sp} is not supported: only byte-level "
+                         "BPE ('gpt2'). Load the model's Hugging Face folder (its "
+                         "tokenizer.json) instead of the .gguf file.")
     tokens = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))

@@ -1,0 +1,74 @@
+"""Input processing: a request's prompt parsed into token ids, and every check that a
+request can be served, run at submission (a request that fails one is never admitted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from paged_jax.models import ModelConfig, Tokenizer
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.sampling_state import MAX_STOP_IDS
+from paged_jax.sizes import cdiv
+
+
+def prompt_ids(prompt: str | list[int] | dict, tok: Tokenizer) -> tuple[str | None, list[int]]:
+    """(text, token ids) of a prompt given as text, token ids, or vLLM's dict forms."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), _check_ids(list(prompt["prompt_token_ids"]))
+        if "prompt" in prompt:
+            prompt = prompt["prompt"]
+        else:
+            raise ValueError("prompt dict needs a 'prompt' or 'prompt_token_ids' key, "
+                             f"got keys {sorted(prompt)}")
+    if isinstance(prompt, str):
+        return prompt, _check_ids(tok.encode(prompt))
+    if isinstance(prompt, list | tuple):
+        return None, _check_ids(list(prompt))
+    raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt)}")
+
+
+def _check_ids(ids: list[int]) -> list[int]:
+    if not ids:
+        raise ValueError("prompt is empty: at least one token is needed")
+    if not all(isinstance(i, int | np.integer) and i >= 0 for i in ids):
+        raise ValueError("prompt_token_ids must be non-negative ints")
+    return [int(i) for i in ids]
+
+
+def check_fits(params: SamplingParams, ids: list[int], ec, mc: ModelConfig) -> SamplingParams:
+    """Rejects a request that could never be served; fills max_tokens=None up to the limit."""
+    if max(ids) >= mc.vocab_size:
+        raise ValueError(f"prompt token id {max(ids)} is outside the model's vocabulary "
+                         f"(vocab_size {mc.vocab_size})")
+    prompt_len = len(ids)
+    room = ec.max_model_len - prompt_len
+    if room < 1:
+        raise ValueError(f"prompt has {prompt_len} tokens, but max_model_len is "
+                         f"{ec.max_model_len}: no room for any output token")
+    if params.max_tokens is None:
+        params = dataclasses.replace(params, max_tokens=room)
+    if prompt_len + params.max_tokens > ec.max_model_len:
+        raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) "
+                         f"exceeds max_model_len ({ec.max_model_len})")
+    if params.n > ec.max_num_seqs:
+        raise ValueError(f"n={params.n} exceeds max_num_seqs={ec.max_num_seqs}")
+    # n sequences may each have to be recomputed privately after a preemption.
+    blocks = params.n * cdiv(prompt_len + params.max_tokens, ec.block_size)
+    if blocks > ec.num_kv_blocks - 1:
+        raise ValueError(f"request needs up to {blocks} KV blocks (n={params.n} x "
+                         f"{prompt_len + params.max_tokens} tokens) but the cache holds "
+                         f"{ec.num_kv_blocks - 1}")
+    if len(params.stop_token_ids) > MAX_STOP_IDS:
+        raise ValueError(f"stop_token_ids has {len(params.stop_token_ids)} ids; at most "
+                         f"{MAX_STOP_IDS} are supported")
+    if params.stop_token_ids and max(params.stop_token_ids) >= mc.vocab_size:
+        raise ValueError(f"stop_token_ids {max(params.stop_token_ids)} is outside the model's "
+                         f"vocabulary (vocab_size {mc.vocab_size})")
+    if params.logprobs is not None and params.logprobs > ec.max_logprobs:
+        raise ValueError(f"logprobs={params.logprobs} exceeds the engine's "
+                         f"max_logprobs={ec.max_logprobs}")
+    return params

@@ -1,0 +1,110 @@
+"""Scheduler: exact plans on hand-made sequences, over a tiny real KV manager (no model)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import page_table as pt
+from paged_jax.config import CacheConfig
+from paged_jax.kv_manager import KVManager
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.scheduler import Scheduler, SchedulerConfig
+from paged_jax.sequence import Request, Sequence, Status
+
+K = 4  # block size
+
+
+def kv_manager(num_blocks: int = 9, slots: int = 4, prefix: bool = False) -> KVManager:
+    cc = CacheConfig(num_blocks=num_blocks, block_size=K, max_seqs=slots, max_blocks_per_seq=8)
+    return KVManager(cc, 1, 1, 2, jnp.dtype("float32"), prefix_caching=prefix)
+
+
+def request(rid: str, prompt_len: int, n: int = 1) -> Request:
+    ids = list(range(1, prompt_len + 1))
+    req = Request(rid, None, ids, SamplingParams(n=n, max_tokens=8), 0.0, order=-1)
+    req.seqs = [Sequence(i, list(ids), prompt_len, owner=req) for i in range(n)]
+    return req
+
+
+def run_until(sch: Scheduler, req: Request, computed: int, extra_tokens: int = 0) -> None:
+    """Admits `req` and makes it hold K/V for `computed` tokens on the device, as if steps
+    had run (plus `extra_tokens` sampled tokens appended)."""
+    sch.add(req)
+    sch.waiting.remove(req)
+    kv = sch.kv
+    kv.allocate(req.seqs)
+    seq = req.seqs[0]
+    seq.status, req.order = Status.RUNNING, next(sch._orders)
+    sch.running.append(req)
+    num_new = np.zeros(kv.config.max_seqs, np.int32)
+    num_new[seq.slot] = computed
+    table = pt.add_sequence(kv.table, jnp.asarray(seq.slot))
+    kv.pool, kv.table, _, ok = jax.jit(pt.reserve_slots)(kv.pool, table, jnp.asarray(num_new))
+    assert bool(ok)
+    kv.slot_live[seq.slot] = True
+    kv.num_free = int(kv.pool.num_free)
+    seq.num_computed = computed
+    seq.tokens += [7] * extra_tokens
+
+
+def plan_of(plan) -> list[tuple[str, int]]:
+    return [(s.owner.request_id, n) for s, n in plan.chunks]
+
+
+def test_decodes_first_then_prefill_chunks_then_admission_fcfs():
+    sch = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, block_size=K),
+                    kv_manager())
+    old, prefilling = request("old", 5), request("pre", 10)
+    run_until(sch, old, 5, extra_tokens=1)  # one token to decode
+    run_until(sch, prefilling, 4)  # 6 prompt tokens still to compute
+    sch.add(request("new", 3))
+    plan = sch.schedule()
+    # decode first, then the prefill's chunk, then what budget is left for the newcomer
+    assert plan_of(plan) == [("old", 1), ("pre", 6), ("new", 1)]
+    assert [r.request_id for r in plan.admitted] == ["new"] and not plan.window
+
+
+def test_admission_stops_at_the_first_request_that_does_not_fit():
+    sch = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=K),
+                    kv_manager(num_blocks=5))  # 4 usable blocks
+    big, small = request("big", 20), request("small", 2)  # big needs 5 blocks
+    sch.add(big)
+    sch.add(small)
+    plan = sch.schedule()
+    assert plan.chunks == [] and [r.request_id for r in sch.waiting] == ["big", "small"]
+
+
+def test_the_newest_request_is_preempted_and_requeued_first():
+    sch = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=K),
+                    kv_manager(num_blocks=5))
+    a, b = request("a", 8), request("b", 8)
+    run_until(sch, a, 8, extra_tokens=1)  # 2 blocks each, both full: a decode needs a third
+    run_until(sch, b, 8, extra_tokens=1)
+    sch.add(request("c", 2))
+    assert sch.kv.free_total() == 0
+    plan = sch.schedule()
+    assert plan_of(plan) == [("a", 1)]
+    assert sch.num_preempted == 1 and [r.request_id for r in sch.waiting] == ["b", "c"]
+    assert b.seqs[0].num_computed == 0 and b.seqs[0].status is Status.WAITING
+    assert b.seqs[0].slot >= 0, "a preempted request keeps its slot"
+    assert sch.kv.free_total() == 2  # b's two blocks came back
+
+
+def test_decodes_run_as_a_window_only_when_nothing_can_join():
+    sch = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, block_size=K,
+                                    decode_window=8), kv_manager(slots=2))
+    a = request("a", 3)
+    run_until(sch, a, 3, extra_tokens=1)
+    assert sch.schedule().window
+    sch.add(request("b", 2))
+    plan = sch.schedule()  # b joins: one ragged step
+    assert not plan.window and plan_of(plan) == [("a", 1), ("b", 2)]
+    sch.add(request("c", 2))
+    plan = sch.schedule()  # b's slot is not live on the device yet
+    assert not plan.window and plan_of(plan) == [("a", 1), ("b", 2)]
+    b = sch.running[1].seqs[0]
+    sch.kv.slot_live[b.slot] = True  # as the engine's step would leave it
+    b.num_computed = 2
+    b.tokens.append(7)
+    plan = sch.schedule()  # no slot for c: nothing can join, so the decodes run as a window
+    assert plan.window and plan_of(plan) == [("a", 1), ("b", 1)]
