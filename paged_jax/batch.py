@@ -92,6 +92,7 @@ def build_admissions(
     new = np.zeros(a, bool)
     hit_blocks, hit_tokens = np.zeros((a, p), np.int32), np.zeros(a, np.int32)
     mask = np.zeros((a, vocab_size), bool) if flags.penalties else None
+    bias = np.zeros((a, vocab_size), np.float32) if flags.bias else None
     items = []
     for i, adm in enumerate(admits):
         slot[i], new[i] = adm.seq.slot, adm.new_request
@@ -102,8 +103,10 @@ def build_admissions(
             hit_tokens[i] = adm.hit.num_tokens
         if mask is not None:
             mask[i, req.prompt_token_ids] = True
+        if bias is not None and req.params.has_logit_bias:
+            bias[i] = smp.bias_row(req.params, vocab_size, req.banned_ids)
     arrays = jax.device_put(dict(slot=slot, new_request=new, prompt_mask=mask,
-                                 hit_blocks=hit_blocks, hit_tokens=hit_tokens))
+                                 logit_bias=bias, hit_blocks=hit_blocks, hit_tokens=hit_tokens))
     return Admissions(sampling=smp.sampling_rows(items, a, smp.MAX_STOP_IDS), **arrays)
 
 

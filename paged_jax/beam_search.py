@@ -56,7 +56,7 @@ def beam_search(engine: Engine, prompt, params: BeamSearchParams) -> tuple[BeamS
                   engine.config, engine.model_config)
     k = min(2 * w, engine.model_config.vocab_size)
     flags = SampleFlags(random=False, filters=False, penalties=False, logprobs=True,
-                        num_top_logprobs=k)
+                        num_top_logprobs=k, bias=False)
     free = engine.kv.free_slots
     slots = [free.pop() for _ in range(w)]
     try:

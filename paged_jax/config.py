@@ -63,6 +63,8 @@ class EngineConfig:
       enable_prefix_caching: reuse cached full blocks across requests (prefix_cache.py).
       admission: "fcfs", or "cache-aware" (longest cached prefix first; needs caching).
       max_skips: cache-aware admission passes a request over at most this many times.
+      swap_space: bytes of host memory for swapped-out K/V (swap mode); a preemption that
+        would exceed it recomputes instead.
     """
 
     block_size: int = 16
@@ -79,6 +81,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     admission: str = "fcfs"
     max_skips: int = 8
+    swap_space: int = 4 << 30
 
     def __post_init__(self) -> None:
         if self.admission not in ("fcfs", "cache-aware"):

@@ -78,7 +78,7 @@ class Engine:
         self.kv = KVManager(cc, config.num_layers, config.num_kv_heads, config.head_dim,
                             jax.tree.leaves(params)[0].dtype,
                             prefix_caching=ec.enable_prefix_caching,
-                            swap=ec.preemption_mode == "swap")
+                            swap=ec.preemption_mode == "swap", swap_space=ec.swap_space)
         self.sampling = jax.device_put(smp.init_sampling_state(cc.max_seqs, config.vocab_size),
                                        jax.devices()[0])
         self.step_cfg = StepConfig(config, ec.backend or default_backend())
@@ -122,6 +122,7 @@ class Engine:
         params = inp.check_fits(params, ids, self.config, self.model_config)
         req = Request(request_id, text, ids, params,
                       arrival_time if arrival_time is not None else time.time(), order=-1)
+        req.banned_ids = inp.bad_word_ids(params, self.tokenizer)
         req.seqs = [Sequence(i, list(ids), len(ids), owner=req) for i in range(params.n)]
         req.metrics = RequestMetrics(arrival_time=req.arrival_time)
         self.requests[request_id] = req

@@ -68,7 +68,28 @@ def check_fits(params: SamplingParams, ids: list[int], ec, mc: ModelConfig) -> S
     if params.stop_token_ids and max(params.stop_token_ids) >= mc.vocab_size:
         raise ValueError(f"stop_token_ids {max(params.stop_token_ids)} is outside the model's "
                          f"vocabulary (vocab_size {mc.vocab_size})")
+    for name, ids in (("logit_bias", list(params.logit_bias or {})),
+                      ("allowed_token_ids", list(params.allowed_token_ids or []))):
+        if ids and max(ids) >= mc.vocab_size:
+            raise ValueError(f"{name} has token id {max(ids)}, outside the model's vocabulary "
+                             f"(vocab_size {mc.vocab_size})")
     if params.logprobs is not None and params.logprobs > ec.max_logprobs:
         raise ValueError(f"logprobs={params.logprobs} exceeds the engine's "
                          f"max_logprobs={ec.max_logprobs}")
     return params
+
+
+def bad_word_ids(params: SamplingParams, tok: Tokenizer) -> tuple[int, ...]:
+    """The token ids a request's bad_words ban: each word as written and after a space (as
+    vLLM tokenizes them). Only single-token words are supported: vLLM also bans the last
+    token of a longer word after its prefix, which would need the output on the device."""
+    out = []
+    for word in params.bad_words or []:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tok.encode(text)
+            if len(ids) != 1:
+                raise ValueError(f"bad_words: {text!r} is {len(ids)} tokens; only words that "
+                                 "are a single token (with and without a leading space) are "
+                                 "supported")
+            out.append(ids[0])
+    return tuple(dict.fromkeys(out))

@@ -77,11 +77,17 @@ class KVManager:
       num_layers, num_kv_heads, head_dim, dtype: the K/V arrays' shape and type.
       prefix_caching: keep full blocks for reuse across requests (prefix_cache.py).
       swap: preemption copies a sequence's blocks to the host instead of dropping them.
+      swap_space: bytes of host memory swapped-out blocks may take; past it, a preempted
+        sequence is recomputed instead (nothing is lost either way).
     """
 
     def __init__(self, cc: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype, *, prefix_caching: bool = True, swap: bool = False):
-        self.config, self.swap = cc, swap
+                 dtype, *, prefix_caching: bool = True, swap: bool = False,
+                 swap_space: int = 4 << 30):
+        self.config, self.swap, self.swap_space = cc, swap, swap_space
+        self.swapped_bytes = 0
+        self._block_bytes = 2 * num_layers * num_kv_heads * cc.block_size * head_dim * \
+            np.dtype(dtype).itemsize
         # Committed to the device now: jit keys on placement, so uncommitted initial arrays
         # would make the second step compile everything again.
         self.pool, self.table, self.cache = jax.device_put(
@@ -114,7 +120,11 @@ class KVManager:
                 s.slot = self.free_slots.pop()
 
     def free_slot(self, seq: Sequence) -> None:
-        """Returns a finished sequence's slot (its blocks must be released already)."""
+        """Returns a finished or aborted sequence's slot and swap space (its blocks must be
+        released already)."""
+        if seq.swapped is not None:
+            self.swapped_bytes -= sum(x.nbytes for x in seq.swapped)
+            seq.swapped = None
         if seq.slot >= 0:
             self.free_slots.append(seq.slot)
             seq.slot = -1
@@ -224,7 +234,10 @@ class KVManager:
         """
         if self.swap:
             for s in seqs:
-                s.swapped = self._swap_out(s)
+                size = cdiv(s.num_computed, self.config.block_size) * self._block_bytes
+                if self.swapped_bytes + size <= self.swap_space:  # else: recompute
+                    s.swapped = self._swap_out(s)
+                    self.swapped_bytes += size
         self.release(seqs)
         return self.free_total()
 
@@ -245,4 +258,5 @@ class KVManager:
         if not ok:  # the scheduler counted the restore (blocks_needed): a planning bug
             raise RuntimeError(f"swap-in of slot {seq.slot} found too few free blocks")
         self.num_free = int(self.pool.num_free)
+        self.swapped_bytes -= k.nbytes + v.nbytes
         seq.swapped = None

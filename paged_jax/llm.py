@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,8 @@ from tqdm.std import tqdm as std_tqdm
 from paged_jax.beam_search import beam_search
 from paged_jax.engine import Engine, EngineConfig
 from paged_jax.kv_cache import kv_cache_bytes
-from paged_jax.models import load_model
+from paged_jax.models import Tokenizer, load_model
+from paged_jax.models.tokenizer import tokenizer_from_folder
 from paged_jax.outputs import BeamSearchOutput, RequestOutput
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 
@@ -34,6 +36,35 @@ def resolve_dtype(dtype: str) -> str:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
     return dtype
+
+
+def own_tokenizer(path: str, config) -> Tokenizer:
+    """LLM(tokenizer=...): a Hugging Face folder's tokenizer, checked against the model."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"tokenizer={path!r}: expected a local Hugging Face folder with a "
+                         "tokenizer.json (paged-jax downloads nothing)")
+    tok = tokenizer_from_folder(folder, config.eos_token_ids)
+    if tok.backend.get_vocab_size() > config.vocab_size:
+        raise ValueError(f"tokenizer={path!r} has {tok.backend.get_vocab_size()} tokens, more "
+                         f"than the model's vocab_size {config.vocab_size}")
+    return tok
+
+
+def memory_for_kv(utilization: float, params) -> int:
+    """LLM(gpu_memory_utilization=...): bytes left for the KV pool once weights are placed."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        raise ValueError("gpu_memory_utilization needs a device that reports its memory "
+                         f"({jax.devices()[0].platform} does not); pass kv_cache_memory=BYTES")
+    weights = sum(x.nbytes for x in jax.tree.leaves(params))
+    room = int(utilization * stats["bytes_limit"]) - weights
+    if room <= 0:
+        raise ValueError(f"gpu_memory_utilization={utilization} leaves no room for the KV "
+                         f"cache beside {weights / 2**30:.1f} GiB of weights")
+    return room
 
 
 def _bar_off(use_tqdm: bool) -> bool | None:
@@ -63,6 +94,13 @@ class LLM:
       attention_backend: "reference", "pallas" or "cpu"; None picks by platform.
       max_logprobs: the most logprobs a request may ask for.
       enable_prefix_caching: reuse cached KV blocks of shared prompt prefixes (vLLM default).
+      tokenizer: a Hugging Face folder (its tokenizer.json) whose tokenizer replaces the
+        model's own.
+      swap_space: GiB of host memory for swapped-out KV (preemption_mode="swap"); a
+        preemption that would exceed it recomputes instead (vLLM's default 4).
+      gpu_memory_utilization: share of the accelerator's memory for weights plus the KV pool;
+        sizes the pool when num_kv_blocks is None (needs a device that reports its memory:
+        on CPU pass kv_cache_memory).
       model_parts: (config, params, tokenizer) to use instead of loading `model`.
     """
 
@@ -72,7 +110,8 @@ class LLM:
         max_model_len: int | None = None, dtype: str = "auto", seed: int = 0,
         preemption_mode: str = "recompute", decode_window: int = 8,
         attention_backend: str | None = None, max_logprobs: int = 20, model_parts=None,
-        enable_prefix_caching: bool = True,
+        enable_prefix_caching: bool = True, tokenizer: str | None = None,
+        swap_space: float = 4, gpu_memory_utilization: float | None = None,
         **unsupported,
     ):
         if unsupported:
@@ -80,7 +119,11 @@ class LLM:
         dtype = resolve_dtype(dtype)
         t0 = time.perf_counter()
         config, params, tok = model_parts or load_model(model, DTYPES[dtype])
+        if tokenizer is not None:
+            tok = own_tokenizer(tokenizer, config)
         self.load_time = time.perf_counter() - t0
+        if gpu_memory_utilization is not None:
+            kv_cache_memory = memory_for_kv(gpu_memory_utilization, params)
         max_model_len = max_model_len or min(config.max_position_embeddings, 2048)
         if max_model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
@@ -94,7 +137,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             preemption_mode=preemption_mode, decode_window=decode_window,
             backend=attention_backend, max_logprobs=max_logprobs, seed=seed,
-            enable_prefix_caching=enable_prefix_caching)
+            enable_prefix_caching=enable_prefix_caching, swap_space=int(swap_space * (1 << 30)))
         self.llm_engine = Engine(config, params, tok, self.engine_config)
         self._counter = 0
 
@@ -135,12 +178,13 @@ class LLM:
     def chat(
         self, messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Seq | None = None, use_tqdm: bool = True,
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool = True, chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to one conversation or a list of them."""
+        """Applies a chat template (the model's, or `chat_template`, a jinja string) to one
+        conversation or a list of them, and generates."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
-        prompts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+        prompts = [tok.apply_chat_template(c, add_generation_prompt, chat_template)
                    for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 

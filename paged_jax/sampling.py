@@ -5,6 +5,7 @@ One row per sequence (S) and one column per vocabulary entry (V); J = top logpro
     raw logits [S, V] --log_softmax--> logprobs returned to the user (vLLM v1's default)
         |
         +-- min_tokens: EOS / stop ids -> -inf while num_generated < min_tokens
+        +-- logit bias: logit_bias, allowed_token_ids, bad words (a per-slot [V] row)
         +-- penalties: repetition (prompt + output tokens), frequency, presence (output tokens)
         |--> greedy rows (temperature 0): argmax
         +-- / temperature, then min_p, top_k, top_p as one cut-off per row (one sort)
@@ -34,6 +35,7 @@ from paged_jax.sampling_state import (  # noqa: F401 (the state API, re-exported
     SamplingRows,
     SamplingState,
     admit_rows,
+    bias_row,
     fork_slot,
     fork_slots,
     init_sampling_state,
@@ -63,6 +65,7 @@ class SampleFlags:
       logprobs: some row wants its tokens' logprobs (a log-sum-exp over V per row); without
         it the returned logprobs are 0, as vLLM reports none (cumulative_logprob None).
       num_top_logprobs: J, top logprobs returned per row (0: none).
+      bias: some row adds a logit bias row (logit_bias, allowed_token_ids, bad_words).
     """
 
     random: bool = True
@@ -70,6 +73,7 @@ class SampleFlags:
     penalties: bool = True
     logprobs: bool = True
     num_top_logprobs: int = 0
+    bias: bool = True
 
     @classmethod
     def of(cls, params: list[SamplingParams], num_top_logprobs: int) -> SampleFlags:
@@ -81,7 +85,8 @@ class SampleFlags:
             penalties=any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
                           or p.presence_penalty != 0.0 for p in params),
             logprobs=any(p.logprobs is not None for p in params),
-            num_top_logprobs=num_top_logprobs if any(p.logprobs for p in params) else 0)
+            num_top_logprobs=num_top_logprobs if any(p.logprobs for p in params) else 0,
+            bias=any(p.has_logit_bias for p in params))
 
 
 @jax.tree_util.register_dataclass
@@ -231,6 +236,8 @@ def sample(
     """
     flags = flags or SampleFlags(num_top_logprobs=num_top_logprobs)
     processed = apply_min_tokens(logits.astype(jnp.float32), state)
+    if flags.bias:
+        processed = jnp.where(state.has_bias[:, None], processed + state.logit_bias, processed)
     if flags.penalties:
         processed = apply_penalties(processed, state)
     greedy = jnp.argmax(processed, axis=1).astype(jnp.int32)

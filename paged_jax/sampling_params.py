@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 _SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy (vLLM's rule): dividing by them would overflow."""
@@ -47,6 +48,11 @@ class SamplingParams:
       skip_special_tokens: drop special tokens from the output text.
       spaces_between_special_tokens: vLLM's detokenizer option; only True is supported.
       include_stop_str_in_output: keep the matched stop string at the end of the text.
+      logit_bias: token id -> value added to its logit before sampling (vLLM's order: after
+        min_tokens, before penalties and temperature).
+      allowed_token_ids: only these tokens may be sampled.
+      bad_words: words never generated; each must be a single token (with and without a
+        leading space), checked when the request is submitted.
     """
 
     n: int = 1
@@ -69,6 +75,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -109,9 +118,34 @@ class SamplingParams:
             _check_int("stop_token_ids", t, low=0)
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (they are matched in the text).")
+        self._verify_bias()
         if not self.spaces_between_special_tokens:
             raise ValueError("spaces_between_special_tokens must be True: paged-jax's "
                              "tokenizer decodes special tokens as written.")
+
+    def _verify_bias(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> float, got "
+                                 f"{type(self.logit_bias).__name__}.")
+            for t, b in self.logit_bias.items():
+                _check_int("logit_bias", t, low=0)
+                if not math.isfinite(_check_number("logit_bias", b)):
+                    raise ValueError(f"logit_bias values must be finite, got {b} for {t}.")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows all).")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, low=0)
+        if self.bad_words is not None and not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got "
+                             f"{self.bad_words!r}.")
+
+    @property
+    def has_logit_bias(self) -> bool:
+        """Whether sampling adds a per-token bias row (logit_bias, allowed ids, bad words)."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
 
     def _verify_greedy(self) -> None:
         if self.n > 1:
@@ -136,7 +170,11 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """A deep copy (the list fields are not shared)."""
         return dataclasses.replace(
-            self, stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or [])
+            self, stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []),
+            logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
+            allowed_token_ids=None if self.allowed_token_ids is None
+            else list(self.allowed_token_ids),
+            bad_words=None if self.bad_words is None else list(self.bad_words),
         )
 
 
@@ -159,6 +197,9 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, low=1)

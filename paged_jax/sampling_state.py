@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,8 @@ class SamplingState:
       ignore_eos: [S] EOS does not stop the sequence.
       stop_ids: [S, M] stop token ids, -1 padded.
       eos_ids: [S, M] EOS token ids, -1 padded.
+      has_bias: [S] the slot's request adds `logit_bias` (else its row is stale: unread).
+      logit_bias: [S, V] added to the logits (-inf: never sampled); see `bias_row`.
     """
 
     temperature: Float[Array, "S"]
@@ -73,6 +76,9 @@ class SamplingState:
     ignore_eos: Bool[Array, "S"]
     stop_ids: Int[Array, "S M"]
     eos_ids: Int[Array, "S M"]
+    has_bias: Bool[Array, "S"]
+    # "_V": unchecked, since a step's view may hold the bias rows but not the history (V = 0).
+    logit_bias: Float[Array, "S _V"]
 
     @property
     def max_seqs(self) -> int:
@@ -108,26 +114,31 @@ def init_sampling_state(
         num_generated=i(0), min_tokens=i(0), max_tokens=i(NO_LIMIT),
         ignore_eos=jnp.zeros((s,), bool),
         stop_ids=jnp.full((s, m), -1, jnp.int32), eos_ids=jnp.full((s, m), -1, jnp.int32),
+        has_bias=jnp.zeros((s,), bool), logit_bias=jnp.zeros((s, v), jnp.float32),
     )
 
 
 PARAM_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "key", "min_tokens", "max_tokens",
-                "ignore_eos", "stop_ids", "eos_ids")
+                "ignore_eos", "stop_ids", "eos_ids", "has_bias")
 """The per-request fields of SamplingState, written at admission (the rest is history)."""
 HISTORY_FIELDS = ("prompt_mask", "output_counts")
+BIAS_FIELDS = ("logit_bias",)
 
 
-def rows_view(state: SamplingState, slots: Int[Array, "B"], history: bool) -> SamplingState:
+def rows_view(
+    state: SamplingState, slots: Int[Array, "B"], history: bool, bias: bool = False
+) -> SamplingState:
     """The state of the slots a step runs, one row each (slot < 0: a padding row).
 
-    Without `history` the [S, V] arrays are not gathered (their view is [B, 0]): only
-    penalties read them.
+    The [S, V] arrays are gathered only when asked (else their view is [B, 0]): `history`
+    for penalties, `bias` for logit biases.
     """
     s = jnp.clip(slots, 0)
+    skip = (() if history else HISTORY_FIELDS) + (() if bias else BIAS_FIELDS)
     rows = {f.name: getattr(state, f.name)[s] for f in dataclasses.fields(state)
-            if history or f.name not in HISTORY_FIELDS}
-    for name in HISTORY_FIELDS if not history else ():
+            if f.name not in skip}
+    for name in skip:
         rows[name] = jnp.zeros((slots.shape[0], 0), getattr(state, name).dtype)
     return SamplingState(**rows)
 
@@ -164,6 +175,20 @@ class SamplingRows:
     ignore_eos: Bool[Array, "A"]
     stop_ids: Int[Array, "A M"]
     eos_ids: Int[Array, "A M"]
+    has_bias: Bool[Array, "A"]
+
+
+def bias_row(params: SamplingParams, vocab_size: int, banned: Sequence[int] = ()) -> np.ndarray:
+    """[V] the logit bias of one request: -inf outside allowed_token_ids and at banned ids
+    (its bad words, tokenized by the engine), plus its logit_bias values."""
+    row = np.zeros(vocab_size, np.float32)
+    if params.allowed_token_ids:
+        row[:] = -np.inf
+        row[np.asarray(params.allowed_token_ids, np.int64)] = 0.0
+    for t, b in (params.logit_bias or {}).items():
+        row[t] += b
+    row[np.asarray(list(banned), np.int64)] = -np.inf
+    return row
 
 
 def sampling_rows(
@@ -181,7 +206,7 @@ def sampling_rows(
         repetition_penalty=np.ones(a, np.float32), key=np.zeros((a, 2), np.uint32),
         min_tokens=np.zeros(a, np.int32), max_tokens=np.full(a, NO_LIMIT, np.int32),
         ignore_eos=np.zeros(a, bool), stop_ids=np.full((a, m), -1, np.int32),
-        eos_ids=np.full((a, m), -1, np.int32))
+        eos_ids=np.full((a, m), -1, np.int32), has_bias=np.zeros(a, bool))
     for i, (p, eos, seed) in enumerate(items):
         for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos"):
@@ -190,19 +215,22 @@ def sampling_rows(
         cols["max_tokens"][i] = NO_LIMIT if p.max_tokens is None else p.max_tokens
         cols["stop_ids"][i] = _padded_ids(list(p.stop_token_ids or []), m, "stop_token_ids")
         cols["eos_ids"][i] = _padded_ids(list(eos), m, "eos_token_ids")
+        cols["has_bias"][i] = p.has_logit_bias
     return SamplingRows(**jax.device_put(cols))  # one transfer for every field
 
 
 def admit_rows(
     state: SamplingState, slots: Int[Array, "A"], rows: SamplingRows,
     prompt_mask: Bool[Array, "A V"] | None = None,
+    logit_bias: Float[Array, "A V"] | None = None,
 ) -> SamplingState:
     """Writes admitted requests into their slots (slot < 0: padding); jittable.
 
     Resets num_generated. With `prompt_mask` (a step whose flags have penalties) the history
     rows are reset too: the prompt's tokens marked, output counts zeroed. Without it they keep
     a former occupant's values, which only penalties read, and a request with default
-    penalties is unaffected by them.
+    penalties is unaffected by them. `logit_bias` (a step whose flags have bias) writes the
+    bias rows; a slot's row is read only while its `has_bias` is set.
     """
     dest = jnp.where(slots >= 0, slots, state.max_seqs)
     put = lambda a, x: a.at[dest].set(jnp.asarray(x, a.dtype), mode="drop")  # noqa: E731
@@ -211,6 +239,8 @@ def admit_rows(
     if prompt_mask is not None:
         out["prompt_mask"] = put(state.prompt_mask, prompt_mask)
         out["output_counts"] = put(state.output_counts, 0)
+    if logit_bias is not None:
+        out["logit_bias"] = put(state.logit_bias, logit_bias)
     return dataclasses.replace(state, **out)
 
 
@@ -242,6 +272,7 @@ def set_slot(
     prompt_token_ids: list[int],
     eos_token_ids: list[int],
     seed: int,
+    banned: Sequence[int] = (),
 ) -> SamplingState:
     """Writes a newly admitted request into `slot` (host-side; resets its history).
 
@@ -252,6 +283,7 @@ def set_slot(
       prompt_token_ids: its prompt (marks the tokens the repetition penalty applies to).
       eos_token_ids: the model's EOS ids (at most M).
       seed: used when `params.seed` is None; the engine passes e.g. its seed + request counter.
+      banned: token ids of its bad words (the engine tokenizes them).
 
     Returns:
       The state with row `slot` replaced.
@@ -259,7 +291,9 @@ def set_slot(
     rows = sampling_rows([(params, list(eos_token_ids), seed)], 1, state.stop_ids.shape[1])
     prompt = np.zeros((1, state.vocab_size), bool)
     prompt[0, np.asarray(prompt_token_ids, np.int64)] = True
-    return admit_rows(state, jnp.asarray([slot], jnp.int32), rows, jnp.asarray(prompt))
+    bias = bias_row(params, state.vocab_size, banned)[None]
+    return admit_rows(state, jnp.asarray([slot], jnp.int32), rows, jnp.asarray(prompt),
+                      jnp.asarray(bias))
 
 
 def fork_slot(

@@ -83,6 +83,7 @@ class Request:
     metrics: RequestMetrics | None = None
     forked: bool = False  # children of an n > 1 request exist on the device
     num_cached_tokens: int = 0
+    banned_ids: tuple[int, ...] = ()  # token ids of its bad words (engine_input)
 
     @property
     def finished(self) -> bool:

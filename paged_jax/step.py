@@ -62,6 +62,7 @@ class Admissions:
       sampling: [A] the requests' sampling parameters.
       prompt_mask: [A, V] prompt tokens (repetition penalty), only in steps whose flags have
         penalties; None otherwise.
+      logit_bias: [A, V] the requests' bias rows, only in steps whose flags have bias.
       hit_blocks: [A, P] cached blocks of a prefix-cache hit, in logical order, 0-padded.
       hit_tokens: [A] tokens the hit covers (the slot starts with this length).
     """
@@ -70,6 +71,7 @@ class Admissions:
     new_request: Bool[Array, "A"]
     sampling: smp.SamplingRows
     prompt_mask: Bool[Array, "A V"] | None
+    logit_bias: Float[Array, "A V"] | None
     hit_blocks: Int[Array, "A P"]
     hit_tokens: Int[Array, "A"]
 
@@ -161,7 +163,8 @@ def _admit(state: EngineState, adm: Admissions | None) -> EngineState:
     table = pt.add_sequences(state.table, adm.slot)
     pool, table = pt.attach_prefixes(state.pool, table, adm.slot, adm.hit_blocks, adm.hit_tokens)
     new = jnp.where(adm.new_request, adm.slot, -1)
-    sampling = smp.admit_rows(state.sampling, new, adm.sampling, adm.prompt_mask)
+    sampling = smp.admit_rows(state.sampling, new, adm.sampling, adm.prompt_mask,
+                              adm.logit_bias)
     return EngineState(pool, table, state.cache, sampling)
 
 
@@ -229,7 +232,7 @@ def _sample(
     state: EngineState, logits: Float[Array, "R V"], slots: Int[Array, "R"],
     active: Bool[Array, "R"], flags: smp.SampleFlags,
 ) -> tuple[EngineState, StepOut]:
-    rows = smp.rows_view(state.sampling, slots, flags.penalties)
+    rows = smp.rows_view(state.sampling, slots, flags.penalties, flags.bias)
     res = smp.sample(logits, rows, flags=flags)
     sampling = smp.update_rows(state.sampling, slots, res.tokens, active, flags.penalties)
     counted = dataclasses.replace(rows, num_generated=rows.num_generated + active)

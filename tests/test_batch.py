@@ -75,7 +75,7 @@ def test_copies_are_bounded_by_the_rows_that_may_share():
 
 def test_flags_follow_the_requests():
     of = lambda *ps: SampleFlags.of(list(ps), num_top_logprobs=4)  # noqa: E731
-    assert of(GREEDY) == SampleFlags(False, False, False, False, 0)
+    assert of(GREEDY) == SampleFlags(False, False, False, False, 0, False)
     assert of(GREEDY, SamplingParams(temperature=0.7)).random
     assert not of(SamplingParams(temperature=0.7)).filters
     assert of(SamplingParams(temperature=0.7, top_p=0.9)).filters
@@ -102,7 +102,7 @@ def test_a_copy_beyond_max_copies_is_refused_not_written():
     pool, table = pt.fork(pool, table, jnp.array([0]), jnp.array([1]))
     eng.state = st = dataclasses.replace(st, pool=pool, table=table)
     batch = decode_batch(jnp.array([1]), jnp.array([7]), jnp.array([True]), table.seq_lens)
-    flags = SampleFlags(False, False, False, False, 0)
+    flags = SampleFlags(False, False, False, False, 0, False)
     st, out = run_step(eng.params, st, batch, cfg=eng.step_cfg,
                        shape=StepShape(max_q=1, flags=flags))
     assert not bool(out.ok) and int(st.table.seq_lens[1]) == 5

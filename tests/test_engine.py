@@ -24,15 +24,28 @@ def test_batched_equals_one_at_a_time(batched_greedy):
     assert all_free(eng)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_forced_preemption_loses_nothing(batched_greedy, mode):
+@pytest.mark.parametrize("mode, swap_blocks", [("recompute", 0), ("swap", 1000), ("swap", 3)])
+def test_forced_preemption_loses_nothing(batched_greedy, mode, swap_blocks):
+    """swap_blocks: the swap space in blocks (3: most preemptions must recompute instead)."""
     eng = engine(num_kv_blocks=20, preemption_mode=mode)
+    eng.kv.swap_space = swap_blocks * eng.kv._block_bytes
+    peak, step = 0, eng.step
+
+    def watched_step():  # swap-outs happen while the step plans
+        nonlocal peak
+        out = step()
+        peak = max(peak, eng.kv.swapped_bytes)
+        return out
+
+    eng.step = watched_step
     outs = run(eng, [(str(i), p, GREEDY) for i, p in enumerate(prompts(32))], check=True)
     assert sum(s.preempted for s in eng.stats) > 0, "the tiny cache should force preemption"
     assert eng.refused_steps == 0, "the scheduler planned more blocks than were free"
     for i in range(32):
         assert tokens(outs, str(i)) == tokens(batched_greedy, str(i)), f"prompt {i}"
     assert all_free(eng)
+    assert peak <= eng.kv.swap_space and eng.kv.swapped_bytes == 0
+    assert (peak == 0) if mode == "recompute" else (peak > 0 or swap_blocks < 1000)
 
 
 def test_seeded_sampling_independent_of_batch():
@@ -152,6 +165,22 @@ def test_bad_parameters_are_rejected_at_submission_and_the_engine_keeps_serving(
     assert not eng.has_unfinished() and "bad" not in eng.requests
     outs = run(eng, [("good", "a prompt", GREEDY)])
     assert len(tokens(outs, "good")[0]) == GREEDY.max_tokens
+
+
+def test_logit_bias_and_allowed_ids_in_the_engine_leave_other_requests_alone(batched_greedy):
+    eng = engine()
+    sp = lambda **kw: SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **kw)  # noqa: E731
+    outs = run(eng, [("0", prompts(32)[0], GREEDY),
+                     ("allowed", prompts(32)[1], sp(allowed_token_ids=[65, 66])),
+                     ("bias", prompts(32)[2], sp(logit_bias={90: 1e4}))])
+    assert set(tokens(outs, "allowed")[0]) <= {65, 66}
+    assert tokens(outs, "bias")[0] == [90] * 12
+    assert tokens(outs, "0") == tokens(batched_greedy, "0")  # same slots, rows not biased
+    with pytest.raises(ValueError, match="bad_words.*2 tokens"):  # a byte tokenizer: " x"
+        eng.add_request("bad", "p", sp(bad_words=["x"]))
+    with pytest.raises(ValueError, match="allowed_token_ids.*vocabulary"):
+        eng.add_request("bad", "p", sp(allowed_token_ids=[10**6]))
+    assert all_free(eng) and not eng.has_unfinished()
 
 
 def test_decode_window_matches_single_steps(batched_greedy):

@@ -114,3 +114,14 @@ def test_tokenizer_and_chat_template(loaded):
     assert tok.decode(ids, skip_special_tokens=False) == text
     assert len(tok.encode("2026")) == 4  # SmolLM splits digits one by one
     assert tok.eos_token_ids == (2,) and tok.bos_token_id == 1
+
+
+def test_bad_words_ban_single_token_words(loaded):
+    from paged_jax.engine_input import bad_word_ids
+    from paged_jax.sampling_params import SamplingParams
+
+    tok = loaded[1][2]
+    ids = bad_word_ids(SamplingParams(bad_words=["the"]), tok)
+    assert set(ids) == {tok.encode("the")[0], tok.encode(" the")[0]} and len(ids) == 2
+    with pytest.raises(ValueError, match="single token"):
+        bad_word_ids(SamplingParams(bad_words=["antidisestablishmentarianism"]), tok)

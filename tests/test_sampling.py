@@ -363,3 +363,32 @@ def test_shape_annotations_hold_at_run_time():
     chk(stop_mask)(state, out.tokens)
     chk(fork_slot)(state, jnp.int32(0), jnp.int32(1), jnp.int32(1))
     chk(sampling.SampleResult)(**vars(out))
+
+
+# ---- logit bias, allowed ids, bad words ----------------------------------------------------
+
+
+def test_logit_bias_and_allowed_ids_steer_greedy_and_stale_rows_are_not_read():
+    logits = _logits(7)
+    params = [SamplingParams(temperature=0.0, logit_bias={3: 100.0}),
+              SamplingParams(temperature=0.0, allowed_token_ids=[5, 9]),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.8, seed=1, allowed_token_ids=[2])]
+    state = _state(params)
+    out = _sample(jnp.asarray(logits), state, 0)
+    assert int(out.tokens[0]) == 3 and int(out.tokens[3]) == 2
+    assert int(out.tokens[1]) == [5, 9][int(np.argmax(logits[1, [5, 9]]))]
+    assert int(out.tokens[2]) == int(np.argmax(logits[2]))
+    # slot 0 re-admitted without a bias: its old row stays in memory but is not read
+    state = set_slot(state, 0, SamplingParams(temperature=0.0), [0], [EOS], seed=0)
+    out = _sample(jnp.asarray(logits), state, 0)
+    assert int(out.tokens[0]) == int(np.argmax(logits[0]))
+
+
+def test_bias_checks_name_the_field():
+    for kwargs, field in [(dict(logit_bias={1: float("inf")}), "logit_bias"),
+                          (dict(logit_bias={-1: 1.0}), "logit_bias"),
+                          (dict(allowed_token_ids=[]), "allowed_token_ids"),
+                          (dict(bad_words=[""]), "bad_words")]:
+        with pytest.raises(ValueError, match=f"^{field} "):
+            SamplingParams(**kwargs)

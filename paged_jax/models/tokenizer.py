@@ -58,15 +58,18 @@ class Tokenizer:
         return "" if i is None else (self.backend.id_to_token(i) or "")
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+        chat_template: str | None = None,
     ) -> str:
-        """Renders `messages` with the checkpoint's jinja chat template (as transformers does)."""
-        if not self.chat_template:
-            raise ValueError("this checkpoint has no chat template")
+        """Renders `messages` with a jinja chat template (as transformers does): `chat_template`
+        if given, else the checkpoint's."""
+        template = chat_template or self.chat_template
+        if not template:
+            raise ValueError("this checkpoint has no chat template; pass chat_template=...")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent)
         env.globals["raise_exception"] = _raise
-        return env.from_string(self.chat_template).render(
+        return env.from_string(template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.token(self.bos_token_id), eos_token=self.token(self.eos_token_id),
         )

@@ -1,0 +1,38 @@
+"""vLLM's LLM arguments beyond the engine's: tokenizer, swap_space, gpu_memory_utilization,
+chat(chat_template=...), on the tiny random model."""
+
+import pytest
+
+from paged_jax.llm import LLM
+from paged_jax.sampling_params import SamplingParams
+from tests.engine_helpers import model
+
+SMALL = dict(num_kv_blocks=32, block_size=8, max_model_len=64, max_num_seqs=4)
+
+
+def test_chat_template_argument_replaces_the_models():
+    llm = LLM(model_parts=model(), **SMALL)
+    template = "{% for m in messages %}[{{ m['role'] }}: {{ m['content'] }}]{% endfor %}"
+    msgs = [{"role": "user", "content": "hi"}]
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False,
+                   chat_template=template)[0]
+    assert out.prompt == "[user: hi]"
+
+
+def test_tokenizer_from_a_local_folder(tmp_path):
+    tok = model()[2]
+    tok.backend.save(str(tmp_path / "tokenizer.json"))
+    llm = LLM(model_parts=model(), tokenizer=str(tmp_path), **SMALL)
+    own = llm.get_tokenizer()
+    assert own is not tok and own.encode("paged jax") == tok.encode("paged jax")
+    with pytest.raises(ValueError, match="local Hugging Face folder"):
+        LLM(model_parts=model(), tokenizer="org/not-a-folder", **SMALL)
+
+
+def test_swap_space_and_memory_utilization():
+    llm = LLM(model_parts=model(), swap_space=0.5, **SMALL)
+    assert llm.llm_engine.kv.swap_space == 1 << 29
+    with pytest.raises(ValueError, match="kv_cache_memory"):  # a CPU reports no memory size
+        LLM(model_parts=model(), gpu_memory_utilization=0.5, **SMALL)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(model_parts=model(), gpu_memory_utilization=1.5, **SMALL)
