@@ -77,7 +77,7 @@ def _flags(rows: list[Sequence], ec) -> smp.SampleFlags:
 
 def _copies(chunks: list[tuple[Sequence, int]], ec, rows: int) -> int:
     """Copy-on-write bound: all rows when any writes into a last block that may be shared
-    (as the scheduler's blocks_needed counts them), else none."""
+    (as kv_manager.blocks_needed counts them), else none."""
     k = ec.block_size
     shared = any(seq.maybe_shared_last and seq.num_computed % k and c for seq, c in chunks)
     return rows if shared else 0
