@@ -25,7 +25,8 @@ HEADLINE_RATES = (0.2, 0.3, 0.4, 0.6, 0.8, 1.0)
 
 def main(full: bool = False) -> dict:
     t0 = time.perf_counter()
-    bar = tqdm(desc="headline (engine steps)", unit="step", dynamic_ncols=True)
+    # disable=None: no bar when stderr is not a terminal (make's logs, CI), as LLM's bars.
+    bar = tqdm(desc="headline (engine steps)", unit="step", dynamic_ncols=True, disable=None)
     mem = memory_breakdown.main(requests=48 if full else 32, name="headline_memory",
                                 progress=bar.update)
     lat = latency_vs_rate.main(requests=200, measured_requests=0,
