@@ -28,7 +28,7 @@ from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 from paged_jax.scheduler import Plan
 from paged_jax.sequence import Request, Sequence
 from paged_jax.sizes import cdiv
-from paged_jax.step import StepShape, decode_batch, release_slots, run_step
+from paged_jax.step import StepShape, decode_batch, run_step
 
 _fork = jax.jit(pt.fork, donate_argnums=(0, 1))
 _add = jax.jit(pt.add_sequence, donate_argnums=(0,))
@@ -62,7 +62,7 @@ def beam_search(engine: Engine, prompt, params: BeamSearchParams) -> tuple[BeamS
     try:
         return _search(engine, flags, ids, slots, params)
     finally:
-        _release(engine, slots)
+        engine.kv.release_slots(slots)
         free.extend(reversed(slots))
 
 
@@ -130,7 +130,7 @@ def _regroup(engine, chosen, slots) -> list[_Beam]:
             src.append(b.slot)
             dst.append(s)
             beams.append(_Beam(s, b.tokens + [t], score, b.logprobs))
-    _release(engine, [s for s in slots if s not in keep])  # fork targets must be empty
+    engine.kv.release_slots([s for s in slots if s not in keep])  # fork targets must be empty
     if src:
         pad = engine.config.max_num_seqs
         fs = np.full(pad, -1, np.int32)
@@ -163,17 +163,6 @@ def _decode(engine, flags, beams) -> dict[int, list[tuple[int, float]]]:
         raise RuntimeError("KV cache exhausted during beam search")
     return {b.slot: list(zip(out.top_ids[i].tolist(), out.top_logprobs[i].tolist(), strict=True))
             for i, b in enumerate(beams)}
-
-
-def _release(engine, slots) -> None:
-    mask = np.zeros(engine.config.max_num_seqs, bool)
-    mask[[s for s in slots if s >= 0]] = True
-    live = np.asarray(engine.state.table.live)
-    mask &= live
-    if mask.any():
-        pool, table = release_slots(engine.state.pool, engine.state.table, jnp.asarray(mask))
-        engine.state = dataclasses.replace(engine.state, pool=pool, table=table)
-        engine.kv.num_free = int(pool.num_free)
 
 
 def _entries(engine, top: list[tuple[int, float]]) -> dict[int, Logprob]:

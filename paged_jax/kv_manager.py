@@ -210,7 +210,20 @@ class KVManager:
             mask[s.slot], self.slot_live[s.slot] = True, False
         if not gone:
             return
-        order = self._cached_blocks(gone)
+        self._free_rows(mask, self._cached_blocks(gone))
+
+    def release_slots(self, slots: list[int]) -> None:
+        """Frees page-table rows driven outside the engine's sequences (beam search's beams):
+        those of `slots` that are live on the device."""
+        mask = np.zeros(self.config.max_seqs, bool)
+        mask[[s for s in slots if s >= 0]] = True
+        mask &= np.asarray(self.table.live)
+        if mask.any():
+            self._free_rows(mask, [])
+
+    def _free_rows(self, mask: np.ndarray, order: list[int]) -> None:
+        """The device release of `mask`'s rows; the free count and the prefix cache's LRU
+        queue (cached blocks `order`, leaf first) follow it."""
         self.pool, self.table = _release(self.pool, self.table, jnp.asarray(mask))
         self.num_free = int(self.pool.num_free)
         if self.prefix is not None:

@@ -377,6 +377,3 @@ def decode_window(
     state, _, _, out = jax.lax.while_loop(cond, body, (state, tokens, row_slots >= 0, out0))
     return state, out
 
-
-release_slots = jax.jit(pt.release, donate_argnums=(0, 1))
-"""Jitted `page_table.release`: frees finished / aborted / preempted sequences' blocks."""
