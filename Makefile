@@ -8,7 +8,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE := false
 # Compiled XLA programs persist across runs in ~/.cache/paged_jax/xla: the library sets that
 # up itself (paged_jax/compile_cache.py), so scripts run outside make start warm too.
 
-.PHONY: setup test lint run experiments peers notebooks gpu-check bench bench-allocator clean
+.PHONY: setup test lint run experiments peers notebooks gpu-check gpu-bench bench bench-allocator clean
 
 setup: $(STAMP)
 
@@ -21,7 +21,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 test: lint
-	$(VPY) -m pytest -q -n 2 --durations=15
+	$(VPY) -m pytest -q -n 2 --dist loadgroup --durations=15
 
 lint: $(STAMP)
 	$(VPY) -m ruff check paged_jax kernels experiments tests
@@ -63,6 +63,15 @@ notebooks: $(STAMP)
 # Runs on a GPU machine with its own python3 (jax with CUDA); never uses .venv.
 gpu-check:
 	PYTHONPATH=$(CURDIR) python3 -m kernels.gpu_check
+
+# Kernels and the whole engine on one NVIDIA GPU in under 5 minutes -> results/gpu_bench.json
+# + .png. CUDA JAX is installed only where an NVIDIA driver is present and jax sees no GPU;
+# without a GPU the script prints its plan and exits 2.
+gpu-bench:
+	@if command -v nvidia-smi >/dev/null 2>&1 && ! python3 -c "import jax, sys; \
+	  sys.exit(not jax.devices('gpu'))" 2>/dev/null; then \
+	  python3 -m pip install -q "jax[cuda12]" jaxtyping numpy; fi
+	PYTHONPATH=$(CURDIR) python3 -m experiments.gpu_bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from experiments.common import save_json
 from paged_jax.config import CacheConfig
-from paged_jax.page_table import add_sequence, fork, init_page_table, release, reserve_slots
+from paged_jax.page_table import add_sequence, fork, init_page_table, release, reserve_tokens
 from paged_jax.pool import init_pool
 
 
@@ -49,14 +49,14 @@ def jax_loops(seqs: int, rounds: int, block_size: int) -> dict:
     @jax.jit
     def alloc_loop(pool, table):
         def body(_, c):
-            p, t, _, _ = reserve_slots(*c, grow, max_new_blocks=2)
+            p, t, _, _ = reserve_tokens(*c, grow, max_new_blocks=2)
             return p, t
         return jax.lax.fori_loop(0, rounds, body, (pool, table))
 
     @jax.jit
     def alloc_free_loop(pool, table):
         def body(_, c):
-            p, t, _, _ = reserve_slots(*c, grow, max_new_blocks=2)
+            p, t, _, _ = reserve_tokens(*c, grow, max_new_blocks=2)
             p, t = release(p, t, first)
             t = t.__class__(t.block_tables, t.seq_lens, t.live | first, t.block_size)
             return p, t

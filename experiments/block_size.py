@@ -3,9 +3,9 @@
     python -m experiments.block_size [--sizes 8 16 32] [--requests 32]
     python -m experiments.block_size --sizes 1 2 4 8 16 32 64 128 256      (the paper's sweep)
 
-The pool always holds 2048 token slots (2048 / block_size blocks); a ShareGPT-like and an
+The pool always holds 2048 token positions (2048 / block_size blocks); a ShareGPT-like and an
 Alpaca-like workload arrive all at once on the tiny model. Small blocks waste less memory
-but make the kernel gather more, smaller pieces; large blocks waste slots (internal
+but make the kernel gather more, smaller pieces; large blocks waste positions (internal
 fragmentation) and so fit fewer sequences. Each block size is a new shape (one compile).
 Paper: 16-128 best on ShareGPT, 16-32 on Alpaca; vLLM's default is 16.
 """
@@ -21,7 +21,7 @@ from experiments.common import pyplot, save_json, save_plot, table
 from paged_jax.metrics import breakdown, latency_summary, throughput
 from paged_jax.workloads import make_workload
 
-SLOTS = 2048
+POOL_TOKENS = 2048
 SCALE = {"sharegpt": 0.25, "alpaca": 1.0}
 
 
@@ -33,7 +33,7 @@ def main(sizes=(8, 16, 32), requests: int = 32, seed: int = 0,
         # Each block size compiles its own programs; dropping the last size's keeps the
         # process under the kernel's limit on memory mappings (LLVM's JIT aborts past it).
         jax.clear_caches()
-        cfg = {**sv.TINY, "block_size": bs, "num_kv_blocks": SLOTS // bs + 1}
+        cfg = {**sv.TINY, "block_size": bs, "num_kv_blocks": POOL_TOKENS // bs + 1}
         sv.warm_up(parts, cfg)
         for d in datasets:
             items = make_workload(d, requests, float("inf"), parts[2], seed, SCALE[d],
@@ -48,8 +48,8 @@ def main(sizes=(8, 16, 32), requests: int = 32, seed: int = 0,
                              token_states=breakdown(run.snapshots,
                                                     sv.step_weights(run))["token_states"],
                              **throughput(run.timings, run.span), **sv.roof(run, parts)))
-    payload = dict(config=dict(engine=sv.TINY, slots=SLOTS, requests=requests, seed=seed,
-                               scale=SCALE), rows=rows)
+    payload = dict(config=dict(engine=sv.TINY, pool_tokens=POOL_TOKENS, requests=requests,
+                               seed=seed, scale=SCALE), rows=rows)
     payload["json"], payload["png"] = str(save_json(name, payload)), str(plot(rows, name))
     print(table(rows, ["block_size", "dataset", "mean_running", "token_states",
                        "normalized_latency", "output_tokens_per_s", "achieved_GBps"]))
@@ -69,7 +69,7 @@ def plot(rows: list[dict], name: str):
         ax.set_xlabel("block size (tokens)")
         ax.set_ylabel(lab)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Block size at a fixed {SLOTS}-slot KV pool (tiny model)", fontsize=9)
+    fig.suptitle(f"Block size at a fixed {POOL_TOKENS}-token KV pool (tiny model)", fontsize=9)
     return save_plot(name, fig)
 
 

@@ -4,8 +4,8 @@
 
 A ShareGPT-like workload (all requests at t = 0, so memory is the bottleneck) is served on
 the tiny random model by each reservation policy in the same engine. At every step the KV
-slots in use are split into token states / reserved for future tokens / internal / external
-fragmentation (definitions in paged_jax/metrics.py), time-averaged over the run.
+token positions in use are split into token states / reserved for future tokens / internal /
+external fragmentation (definitions in paged_jax/metrics.py), time-averaged over the run.
 Paper (13B model, A100, ShareGPT): vLLM 96.3% token states; Orca 20.4% (Max), 26.8% (Pow2),
 38.2% (Oracle).
 """

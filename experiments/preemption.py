@@ -4,7 +4,7 @@
     python -m experiments.preemption --sizes 8 16 32 64 128 256
 
 A ShareGPT-like burst (all at t = 0, length scale 0.25) overfills a deliberately small pool
-(640 token slots), so the engine preempts; each mode serves the same requests. Swapping
+(640 token positions), so the engine preempts; each mode serves the same requests. Swapping
 copies a victim's blocks to host memory and back (one transfer per block table slice);
 recomputing drops them and re-runs the prefill. Reported: preemptions, total time, time per
 preemption relative to a pool large enough to need none (same block size); each run is the
@@ -24,16 +24,16 @@ from experiments.common import pyplot, save_json, save_plot, table
 from paged_jax.metrics import latency_summary, throughput
 from paged_jax.workloads import make_workload
 
-SLOTS, BIG = 640, 2048
+POOL_TOKENS, BIG = 640, 2048
 
 
-def serve_once(parts, items, bs: int, slots: int, mode: str, progress, repeats: int) -> dict:
-    cfg = {**sv.TINY, "block_size": bs, "num_kv_blocks": slots // bs + 1,
+def serve_once(parts, items, bs: int, pool_tokens: int, mode: str, progress, repeats: int) -> dict:
+    cfg = {**sv.TINY, "block_size": bs, "num_kv_blocks": pool_tokens // bs + 1,
            "preemption_mode": mode}
     # Fastest of `repeats` runs: the first swap-in / recompute of each shape compiles.
     run = min((sv.serve(sv.make_engine(parts, **cfg), items, on_step=progress)
                for _ in range(repeats)), key=lambda r: r.span)
-    return dict(block_size=bs, mode=mode, slots=slots, span_s=run.span,
+    return dict(block_size=bs, mode=mode, pool_tokens=pool_tokens, span_s=run.span,
                 preemptions=sum(s.preempted for s in run.stats),
                 normalized_latency=latency_summary(run.timings)["normalized_latency"],
                 **throughput(run.timings, run.span))
@@ -48,17 +48,17 @@ def main(sizes=(16, 64), requests: int = 24, scale: float = 0.25, seed: int = 0,
         # Each block size compiles its own programs; dropping the last size's keeps the
         # process under the kernel's limit on memory mappings (LLVM's JIT aborts past it).
         jax.clear_caches()
-        for slots in (BIG, SLOTS):
-            sv.warm_up(parts, {**sv.TINY, "block_size": bs, "num_kv_blocks": slots // bs + 1},
+        for pool_tokens in (BIG, POOL_TOKENS):
+            sv.warm_up(parts, {**sv.TINY, "block_size": bs, "num_kv_blocks": pool_tokens // bs + 1},
                        items=items)
         ref = serve_once(parts, items, bs, BIG, "recompute", progress, repeats)
         for mode in ("recompute", "swap"):
-            r = serve_once(parts, items, bs, SLOTS, mode, progress, repeats)
+            r = serve_once(parts, items, bs, POOL_TOKENS, mode, progress, repeats)
             r["overhead_per_preemption_s"] = ((r["span_s"] - ref["span_s"]) / r["preemptions"]
                                               if r["preemptions"] else 0.0)
             r["no_preemption_span_s"] = ref["span_s"]
             rows.append(r)
-    payload = dict(config=dict(engine=sv.TINY, slots=SLOTS, big=BIG, requests=requests,
+    payload = dict(config=dict(engine=sv.TINY, pool_tokens=POOL_TOKENS, big=BIG, requests=requests,
                                scale=scale, seed=seed), rows=rows)
     payload["json"], payload["png"] = str(save_json(name, payload)), str(plot(rows, name))
     print(table(rows, ["block_size", "mode", "preemptions", "span_s", "no_preemption_span_s",

@@ -68,6 +68,6 @@ def paged_attention(
         q[jnp.clip(start, 0, t - 1)], k_pages, v_pages, block_tables, seq_lens,
         variant=variant, num_splits=splits, scale=scale,
     )
-    # Sequences with no query this step (padding slots) write nothing.
+    # Sequences with no query this step (padding rows) write nothing.
     dest = jnp.where(has_q, start, t)
     return jnp.zeros_like(q).at[dest].set(out, mode="drop")

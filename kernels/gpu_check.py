@@ -8,15 +8,21 @@
 3. times decode attention, block 16, bf16, Llama-like heads, for a batch x context grid:
    ours (dispatch's choice, "grouped", "split") vs (a) dense attention on a contiguous
    [B, T, H, D] cache (XLA) and (b) jax.experimental.pallas.ops.gpu.paged_attention (same
-   [H, N, K, D] pool; q [B, Q, D]; needs pages % k_splits == 0 and block_h % 16 == 0).
-Reports ms, GB/s of K/V read and % of the copy bandwidth; writes gpu_check.json + .txt to $OUT
-(else results/). Shapes whose K/V would exceed --max-kv-gib are skipped; the grid stops when the
-time budget is spent. Without a GPU it prints the plan and exits with status 2.
+   [H, N, K, D] pool; q [B, Q, D]; needs pages % k_splits == 0 and block_h % 16 == 0);
+4. times ragged prefill+decode attention on the same grid (a quarter of the rows bring a
+   128-token prefill chunk, the rest one token) vs dense causal attention on a contiguous
+   cache (JAX ships no GPU ragged paged kernel to compare with).
+Every timed call runs after a write of 256 MiB (more than any GPU's L2), so small grid points
+read HBM, not cache. Reports ms, GB/s of K/V read and % of the copy bandwidth; writes
+gpu_check.json + .txt to $OUT (else results/). Shapes whose K/V would exceed --max-kv-gib are
+skipped; the grid stops when the time budget is spent. Without a GPU it prints the plan and
+exits with status 2. `run_kernels` is the part experiments/gpu_bench.py reuses.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -28,13 +34,17 @@ CONTEXTS = (512, 2048, 8192, 32768)
 BLOCK = 16
 BENCH_HEADS = (32, 8, 128)  # query heads, KV heads, head dim (Llama-3-8B-like)
 CHECK_CONFIGS = ((9, 3, 64), (32, 8, 128))
+DEFAULT_MAX_KV_GIB = 8.0
+PREFILL_CHUNK = 128  # query tokens of the prefill rows of a ragged step
+_flush_buffer = None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "results")
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop timing after this")
-    ap.add_argument("--max-kv-gib", type=float, default=8.0, help="skip larger K/V sizes")
+    ap.add_argument("--max-kv-gib", type=float, default=DEFAULT_MAX_KV_GIB,
+                    help="skip larger K/V sizes")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--dry-run", action="store_true", help="print the grid, touch no device")
     return ap.parse_args(argv)
@@ -52,21 +62,42 @@ def grid(max_kv_gib: float) -> list[tuple[int, int]]:
 
 
 def has_gpu() -> bool:
-    import jax
-
+    """Whether JAX is installed and sees a GPU."""
     try:
+        import jax
+
         return bool(jax.devices("gpu"))
-    except RuntimeError:
+    except (ImportError, RuntimeError):
         return False
 
 
-def timeit(fn, *args, iters: int) -> float:
-    """Median seconds per call after a warm-up (compile) call."""
+def flush_l2() -> None:
+    """Writes 256 MiB on the device (H100/H200 L2: 50 MB), so the next call reads HBM."""
+    import jax
+    import jax.numpy as jnp
+
+    global _flush_buffer
+    if _flush_buffer is None:
+        _flush_buffer = jnp.zeros((64 << 20,), jnp.float32)
+    _flush_buffer = jax.block_until_ready(_bump()(_flush_buffer))
+
+
+@functools.cache
+def _bump():
+    import jax
+
+    return jax.jit(lambda a: a + 1.0, donate_argnums=0)
+
+
+def timeit(fn, *args, iters: int, flush: bool = True) -> float:
+    """Median seconds per call after a warm-up (compile) call; L2 flushed before each."""
     import jax
 
     jax.block_until_ready(fn(*args))
     ts = []
     for _ in range(iters):
+        if flush:
+            flush_l2()
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         ts.append(time.perf_counter() - t0)
@@ -80,7 +111,7 @@ def copy_bandwidth(iters: int) -> float:
 
     x = jnp.ones((2**29,), jnp.float32)
     f = jax.jit(lambda a: a * 1.0001)
-    return 2 * x.nbytes / timeit(f, x, iters=iters) / 1e9
+    return 2 * x.nbytes / timeit(f, x, iters=iters, flush=False) / 1e9
 
 
 def validate() -> list[dict]:
@@ -197,6 +228,76 @@ def _timed(name, fn, args, batch, ctx, nbytes, iters) -> dict:
         return dict(name=name, batch=batch, ctx=ctx, error=f"{type(e).__name__}: {e}"[:300])
 
 
+def bench_ragged(batch: int, ctx: int, iters: int) -> list[dict]:
+    """Ragged prefill+decode: the first batch // 4 rows (at least 1) bring PREFILL_CHUNK new
+    tokens, the others one; every row's context is ctx. Ours vs dense causal attention."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels import dispatch
+
+    _, kp, vp, tables, lens = bench_inputs(batch, ctx)
+    nq, h, d = BENCH_HEADS
+    n_pre = max(1, batch // 4)
+    num_q = jnp.where(jnp.arange(batch) < n_pre, PREFILL_CHUNK, 1)
+    qs = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(num_q)]).astype(jnp.int32)
+    q = jax.random.normal(jax.random.PRNGKey(2), (int(qs[-1]), nq, d), jnp.bfloat16)
+    ours = functools.partial(dispatch.paged_attention, max_q=PREFILL_CHUNK, scale=d**-0.5)
+    nbytes = 2 * batch * ctx * h * d * 2
+    rows = [_timed("ours:ragged", jax.jit(ours), (q, kp, vp, tables, lens, qs), batch, ctx,
+                   nbytes, iters)]
+    scores_gib = n_pre * nq * PREFILL_CHUNK * ctx * 4 / 2**30
+    if scores_gib > 16:  # the dense baseline materializes its scores
+        return rows + [dict(name="dense_xla:ragged", batch=batch, ctx=ctx,
+                            error=f"skipped: {scores_gib:.0f} GiB of scores")]
+    k = kp[:, tables].reshape(h, batch, ctx, d).transpose(1, 2, 0, 3)
+    v = vp[:, tables].reshape(h, batch, ctx, d).transpose(1, 2, 0, 3)
+    del kp, vp
+    dense = functools.partial(dense_ragged, n_pre=n_pre, chunk=PREFILL_CHUNK)
+    rows.append(_timed("dense_xla:ragged", jax.jit(dense), (q, k, v, lens), batch, ctx,
+                       nbytes, iters))
+    return rows
+
+
+def dense_ragged(q, k, v, lens, *, n_pre: int, chunk: int):
+    """Baseline on a contiguous cache [B, T, H, D]: the first n_pre rows' `chunk` queries
+    (causal, at the end of their context), then one query for each other row."""
+    import jax
+    import jax.numpy as jnp
+
+    _, t_ctx, h, d = k.shape
+    nq = q.shape[1]
+    qp = q[: n_pre * chunk].reshape(n_pre, chunk, h, nq // h, d)
+    s = jnp.einsum("bqhgd,bthd->bhgqt", qp, k[:n_pre],
+                   preferred_element_type=jnp.float32) * d**-0.5
+    qpos = lens[:n_pre, None] - chunk + jnp.arange(chunk)[None, :]
+    see = jnp.arange(t_ctx)[None, None, :] <= qpos[:, :, None]
+    w = jax.nn.softmax(jnp.where(see[:, None, None], s, -1e30), axis=-1).astype(v.dtype)
+    o_pre = jnp.einsum("bhgqt,bthd->bqhgd", w, v[:n_pre]).reshape(n_pre * chunk, nq, d)
+    o_dec = dense_attention(q[n_pre * chunk:], k[n_pre:], v[n_pre:], lens[n_pre:])
+    return jnp.concatenate([o_pre, o_dec])
+
+
+def run_kernels(budget_s: float, max_kv_gib: float = DEFAULT_MAX_KV_GIB,
+                iters: int = 5) -> dict:
+    """Copy bandwidth, correctness checks, then decode and ragged timings until the budget
+    is spent: dict(copy_gbps, checks, rows)."""
+    import jax
+
+    t0 = time.perf_counter()
+    copy_gbps = copy_bandwidth(iters)
+    print(f"device {jax.devices()[0].device_kind}: copy bandwidth {copy_gbps:.0f} GB/s")
+    checks, rows = validate(), []
+    for batch, ctx in grid(max_kv_gib):
+        if time.perf_counter() - t0 > budget_s:
+            print(f"time budget spent; skipped shapes from ({batch}, {ctx}) on")
+            break
+        new = bench_one(batch, ctx, iters) + bench_ragged(batch, ctx, iters)
+        rows += new
+        print(table(new, copy_gbps).split("\n", 1)[1], flush=True)
+    return dict(copy_gbps=copy_gbps, checks=checks, rows=rows)
+
+
 def table(rows: list[dict], copy_gbps: float) -> str:
     lines = [f"{'batch':>5} {'ctx':>6} {'kernel':22} {'ms':>9} {'GB/s':>8} {'%copy':>6}"]
     for r in rows:
@@ -221,17 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import jax
 
-    t0 = time.perf_counter()
-    copy_gbps = copy_bandwidth(args.iters)
-    print(f"device {jax.devices()[0].device_kind}: copy bandwidth {copy_gbps:.0f} GB/s")
-    checks = validate()
-    rows = []
-    for batch, ctx in shapes:
-        if time.perf_counter() - t0 > args.budget_s:
-            print(f"time budget spent; skipped shapes from ({batch}, {ctx}) on")
-            break
-        rows += bench_one(batch, ctx, args.iters)
-        print(table(rows[-5:], copy_gbps).split("\n", 1)[1], flush=True)
+    res = run_kernels(args.budget_s, args.max_kv_gib, args.iters)
+    checks, rows, copy_gbps = res["checks"], res["rows"], res["copy_gbps"]
     report = table(rows, copy_gbps)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

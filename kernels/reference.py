@@ -93,7 +93,8 @@ def flat_decode_reference(
     mx = jax.ops.segment_max(scores.max(-1), row, num_segments=s + 1)  # [S + 1, H, G]
     w = jnp.where(valid[:, None, None, :], jnp.exp(scores - mx[row][..., None]), 0.0)
     total = jax.ops.segment_sum(w.sum(-1), row, num_segments=s + 1)[:s]
-    # 0 * NaN is NaN: slots past a row's end (stale or freed blocks) are zeroed, not weighted.
+    # 0 * NaN is NaN: key positions past a row's end (stale or freed blocks) are zeroed, not
+    # weighted.
     vals = jnp.where(valid[None, :, :, None], v_pages[:, page].astype(jnp.float32), 0.0)
     out = jax.ops.segment_sum(jnp.einsum("phgk,hpkd->phgd", w, vals), row, num_segments=s + 1)
     out = (out[:s] / jnp.maximum(total, 1e-30)[..., None]).reshape(s, nq, d)

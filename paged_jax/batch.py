@@ -156,9 +156,26 @@ def build_step(
     for j, (a, b, c) in enumerate(pairs):
         fs[j], fd[j], fi[j] = a, b, c
     shape = _step_shape(chunks, t, r, rows, ec, backend)
-    arrays = jax.device_put((tok, pos, rows_of, row_slots, qs, sample, fs, fd, fi))
+    next_ids = _next_ids(chunks, t)
+    if next_ids is not None:
+        shape = dataclasses.replace(shape, prompt_top=ec.max_logprobs)
+    arrays = jax.device_put((tok, pos, rows_of, row_slots, qs, sample, fs, fd, fi, next_ids))
     admit = build_admissions(admits, ec, shape.flags, eos_ids, vocab_size)
-    return StepBatch(*arrays, admit=admit), shape, forks, rows
+    return StepBatch(*arrays[:-1], admit=admit, next_ids=arrays[-1]), shape, forks, rows
+
+
+def _next_ids(chunks: list[tuple[Sequence, int]], t: int) -> np.ndarray | None:
+    """[T] the prompt token after each token of rows that want prompt logprobs (-1 else);
+    None when no row in the step does."""
+    out, o = None, 0
+    for seq, n in chunks:
+        if seq.owner.params.prompt_logprobs is not None and seq.num_computed < seq.prompt_len:
+            out = np.full(t, -1, np.int32) if out is None else out
+            nxt = np.arange(seq.num_computed + 1, seq.num_computed + n + 1)
+            ok = nxt < seq.prompt_len
+            out[o:o + n] = np.where(ok, np.asarray(seq.tokens)[np.where(ok, nxt, 0)], -1)
+        o += n
+    return out
 
 
 def _step_shape(chunks, t: int, r: int, rows: list[Sequence], ec, backend: str) -> StepShape:

@@ -13,7 +13,7 @@ class CacheConfig:
 
     Attributes:
       num_blocks: physical blocks in the pool, including the reserved zero block 0.
-      block_size: token slots per block (K).
+      block_size: token positions per block (K).
       max_seqs: sequence slots in the page table (S).
       max_blocks_per_seq: page-table width (P); a sequence holds at most P * K tokens.
     """

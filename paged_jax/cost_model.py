@@ -45,7 +45,7 @@ class GpuCostModel:
           iterations: model forward passes in the step (a decode window counts W).
           tokens: query tokens processed (prefill chunks + decodes) over those passes.
           cached_tokens: tokens whose K/V are in the cache after the step.
-          pool_tokens: token slots of the engine's KV pool (stands for `kv_pool_bytes`).
+          pool_tokens: token positions of the engine's KV pool (stands for `kv_pool_bytes`).
         """
         kv = self.kv_pool_bytes * min(1.0, cached_tokens / pool_tokens)
         memory = iterations * (self.weight_bytes + kv) / self.bandwidth

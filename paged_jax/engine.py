@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import time
 import types
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ from paged_jax import sampling as smp
 from paged_jax.attention import default_backend
 from paged_jax.config import EngineConfig
 from paged_jax.kv_manager import KVManager
-from paged_jax.models import ModelConfig, Params, Tokenizer
+from paged_jax.models import ModelConfig, Params
 from paged_jax.models.llama import prepare_params
 from paged_jax.outputs import RequestMetrics, RequestOutput
 from paged_jax.reservation import make_policy
@@ -41,13 +42,24 @@ from paged_jax.scheduler import Plan, Scheduler, SchedulerConfig
 from paged_jax.sequence import Request, Sequence, Status
 from paged_jax.step import EngineState, StepConfig, decode_window, run_step
 
+if TYPE_CHECKING:
+    from paged_jax.models.tokenizer import Tokenizer
+
 __all__ = ["Engine", "EngineConfig", "StepStats"]
 
 
 def _to_host(out) -> types.SimpleNamespace:
-    """One device -> host transfer of a step's outputs (numpy fields, same names)."""
-    host = jax.device_get({f.name: getattr(out, f.name) for f in dataclasses.fields(out)})
-    return types.SimpleNamespace(**host)
+    """One device -> host transfer of a step's outputs (numpy fields, same names; nested
+    dataclasses become namespaces too)."""
+    def fields(x):
+        return ({f.name: fields(getattr(x, f.name)) for f in dataclasses.fields(x)}
+                if dataclasses.is_dataclass(x) else x)
+
+    def spaces(x):
+        return types.SimpleNamespace(**{k: spaces(v) for k, v in x.items()}) \
+            if isinstance(x, dict) else x
+
+    return spaces(jax.device_get(fields(out)))
 
 
 @dataclasses.dataclass
@@ -69,7 +81,7 @@ class StepStats:
 class Engine:
     """Continuous batching over the paged KV cache for one model."""
 
-    def __init__(self, config: ModelConfig, params: Params, tokenizer: Tokenizer,
+    def __init__(self, config: ModelConfig, params: Params, tokenizer: Tokenizer | None,
                  engine_config: EngineConfig):
         self.model_config, self.tokenizer = config, tokenizer
         self.params = prepare_params(params)  # the forward's fast layout, built once
@@ -120,9 +132,12 @@ class Engine:
         params = params or SamplingParams()
         text, ids = inp.prompt_ids(prompt, self.tokenizer)
         params = inp.check_fits(params, ids, self.config, self.model_config)
+        inp.check_tokenizer(params, self.tokenizer)
         req = Request(request_id, text, ids, params,
                       arrival_time if arrival_time is not None else time.time(), order=-1)
         req.banned_ids = inp.bad_word_ids(params, self.tokenizer)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
         req.seqs = [Sequence(i, list(ids), len(ids), owner=req) for i in range(params.n)]
         req.metrics = RequestMetrics(arrival_time=req.arrival_time)
         self.requests[request_id] = req
@@ -141,6 +156,64 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    # ---- sequences the caller drives (beam search) -----------------------------------------
+    def compute(self, seqs: list[Sequence], top_logprobs: int) -> list[list[tuple[int, float]]]:
+        """Computes the pending tokens of sequences outside the scheduler, greedily.
+
+        For callers that pick every next token themselves (beam search): runs ragged steps of
+        at most max_num_batched_tokens tokens until each sequence's K/V is cached, and returns
+        each one's top `top_logprobs` next tokens as (token id, logprob), best first.
+        Sequences without a slot get one. Their blocks are not registered in the prefix cache.
+
+        Raises:
+          ValueError: a sequence has no pending token.
+          RuntimeError: sequence slots or KV blocks ran out.
+        """
+        if any(s.num_pending == 0 for s in seqs):
+            raise ValueError("every sequence passed to compute needs a pending token")
+        if not self.kv.can_allocate(seqs):
+            raise RuntimeError(f"{len(seqs)} sequences need free slots; raise max_num_seqs")
+        self.kv.allocate(seqs)
+        admits = [batch_lib.Admit(s, True, 0, hit) for s, hit in self.kv.bring_live(seqs)]
+        flags = smp.SampleFlags(random=False, filters=False, penalties=False, logprobs=True,
+                                num_top_logprobs=top_logprobs, bias=False)
+        top: dict[int, list[tuple[int, float]]] = {}
+        while pending := [s for s in seqs if s.num_pending]:
+            budget, chunks = self.config.max_num_batched_tokens, []
+            for s in pending:
+                if (n := min(s.num_pending, budget)) > 0:
+                    chunks.append((s, n))
+                    budget -= n
+            self.kv.evict(chunks, decode_only=False)
+            batch, shape, _, rows = batch_lib.build_step(
+                Plan(chunks=chunks), self.config, admits, list(self.model_config.eos_token_ids),
+                self.model_config.vocab_size, self.step_cfg.backend)
+            admits = []
+            self.state, out = run_step(self.params, self.state, batch, cfg=self.step_cfg,
+                                       shape=dataclasses.replace(shape, flags=flags))
+            out = _to_host(out)
+            self.kv.after_step(int(out.num_free), [])
+            if not out.ok:
+                raise RuntimeError("the KV cache cannot hold these sequences")
+            for seq, n in chunks:
+                seq.num_computed += n
+                seq.maybe_shared_last = False  # written: its last block is its own
+            for i, seq in enumerate(rows):  # rows: the chunks reordered, long ones first
+                if out.sampled[i]:
+                    top[id(seq)] = list(zip(out.top_ids[i].tolist(),
+                                            out.top_logprobs[i].tolist(), strict=True))
+        return [top[id(s)] for s in seqs]
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Children share all of `parent`'s blocks (copy-on-write); each gets its own slot."""
+        self.kv.fork(parent, children)
+
+    def release(self, seqs: list[Sequence]) -> None:
+        """Frees the blocks and slots of sequences outside the scheduler."""
+        self.kv.release(seqs)
+        for s in seqs:
+            self.kv.free_slot(s)
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -207,6 +280,8 @@ class Engine:
             seq.num_computed += n
             seq.maybe_shared_last = False  # written: its last block is its own (forks below)
         self.kv.after_step(int(out.num_free), [(s, s.num_computed - n) for s, n in plan.chunks])
+        if shape.prompt_top is not None:
+            io.prompt_logprobs(rows, plan.chunks, out.prompt, self.tokenizer)
         self._forked(forks)
         finished = []
         for i, seq in enumerate(rows):
@@ -268,7 +343,8 @@ class Engine:
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             outputs=[s.completion() for s in req.seqs], finished=req.finished,
-            metrics=req.metrics, num_cached_tokens=req.num_cached_tokens)
+            metrics=req.metrics, num_cached_tokens=req.num_cached_tokens,
+            prompt_logprobs=req.prompt_logprobs)
 
     def _record(self, t0: float, kind: str, tokens: int, steps: int, preempted: int) -> None:
         self.stats.append(StepStats(

@@ -5,17 +5,23 @@ request can be served, run at submission (a request that fails one is never admi
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from paged_jax.models import ModelConfig, Tokenizer
+from paged_jax.models import ModelConfig
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.sampling_state import MAX_STOP_IDS
 from paged_jax.sizes import cdiv
 
+if TYPE_CHECKING:
+    from paged_jax.models.tokenizer import Tokenizer
 
-def prompt_ids(prompt: str | list[int] | dict, tok: Tokenizer) -> tuple[str | None, list[int]]:
-    """(text, token ids) of a prompt given as text, token ids, or vLLM's dict forms."""
+
+def prompt_ids(prompt: str | list[int] | dict,
+               tok: Tokenizer | None) -> tuple[str | None, list[int]]:
+    """(text, token ids) of a prompt given as text, token ids, or vLLM's dict forms (text
+    needs a tokenizer)."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             return prompt.get("prompt"), _check_ids(list(prompt["prompt_token_ids"]))
@@ -25,10 +31,24 @@ def prompt_ids(prompt: str | list[int] | dict, tok: Tokenizer) -> tuple[str | No
             raise ValueError("prompt dict needs a 'prompt' or 'prompt_token_ids' key, "
                              f"got keys {sorted(prompt)}")
     if isinstance(prompt, str):
+        if tok is None:
+            raise ValueError("this engine has no tokenizer: pass the prompt as "
+                             "{'prompt_token_ids': [...]}")
         return prompt, _check_ids(tok.encode(prompt))
     if isinstance(prompt, list | tuple):
         return None, _check_ids(list(prompt))
     raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt)}")
+
+
+def check_tokenizer(params: SamplingParams, tok: Tokenizer | None) -> None:
+    """Without a tokenizer (vLLM's skip_tokenizer_init), nothing may need text."""
+    if tok is not None:
+        return
+    for name, used in (("detokenize=True", params.detokenize), ("bad_words", params.bad_words),
+                       ("stop strings", params.stop)):
+        if used:
+            raise ValueError(f"{name} needs a tokenizer, and this engine has none "
+                             "(pass detokenize=False, no stop strings or bad_words)")
 
 
 def _check_ids(ids: list[int]) -> list[int]:
@@ -73,9 +93,10 @@ def check_fits(params: SamplingParams, ids: list[int], ec, mc: ModelConfig) -> S
         if ids and max(ids) >= mc.vocab_size:
             raise ValueError(f"{name} has token id {max(ids)}, outside the model's vocabulary "
                              f"(vocab_size {mc.vocab_size})")
-    if params.logprobs is not None and params.logprobs > ec.max_logprobs:
-        raise ValueError(f"logprobs={params.logprobs} exceeds the engine's "
-                         f"max_logprobs={ec.max_logprobs}")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and k > ec.max_logprobs:
+            raise ValueError(f"{name}={k} exceeds the engine's max_logprobs={ec.max_logprobs}")
     return params
 
 

@@ -5,14 +5,17 @@ detokenized incrementally, checked for stop strings, with vLLM's logprob entries
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from paged_jax import sampling as smp
-from paged_jax.models import Tokenizer
 from paged_jax.outputs import Logprob
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.sequence import Sequence
+
+if TYPE_CHECKING:
+    from paged_jax.models.tokenizer import Tokenizer
 
 
 def finish_reason(code: int, token: int) -> tuple[str, int | None]:
@@ -25,15 +28,38 @@ def finish_reason(code: int, token: int) -> tuple[str, int | None]:
 
 
 def logprob_entry(tok: int, lp: float, top_ids: np.ndarray, top_lps: np.ndarray,
-                  k: int, text=None) -> dict[int, Logprob]:
-    """The chosen token's logprob plus the request's top-k, as vLLM reports them; `text`
-    (a token id -> str function, None without detokenization) fills `decoded_token`."""
+                  k: int, text=None, rank: int | None = None) -> dict[int, Logprob]:
+    """The chosen token's logprob (and `rank`, when known) plus the request's top-k, as vLLM
+    reports them; `text` (a token id -> str function, None without detokenization) fills
+    `decoded_token`."""
     text = text or (lambda _: None)
     entry = {int(i): Logprob(float(x), rank=r + 1, decoded_token=text(int(i)))
              for r, (i, x) in enumerate(zip(top_ids[:k], top_lps[:k], strict=True))}
     if tok not in entry:
-        entry[tok] = Logprob(float(lp), decoded_token=text(tok))
+        entry[tok] = Logprob(float(lp), rank=rank, decoded_token=text(tok))
     return entry
+
+
+def prompt_logprobs(rows: list[Sequence], chunks: list[tuple[Sequence, int]], prompt,
+                    tok: Tokenizer) -> None:
+    """Fills the prompt_logprobs of the requests that asked, from a step's per-token results.
+
+    Tokens lie in row order (build_step's layout); the token at position p gives the entry
+    of prompt token p + 1. Entries already filled (a recompute after preemption) are kept.
+    `prompt` is the step's host PromptLogprobs.
+    """
+    sizes, o = {id(s): n for s, n in chunks}, 0
+    for seq in rows:
+        n, req = sizes.get(id(seq), 0), seq.owner
+        if n and req.prompt_logprobs is not None:
+            text = (lambda i: tok.decode([i], False)) if req.params.detokenize else None
+            for j, p in enumerate(range(seq.num_computed - n + 1, seq.num_computed + 1)):
+                if p < seq.prompt_len and req.prompt_logprobs[p] is None:
+                    req.prompt_logprobs[p] = logprob_entry(
+                        seq.tokens[p], prompt.logprobs[o + j], prompt.top_ids[o + j],
+                        prompt.top_logprobs[o + j], req.params.prompt_logprobs, text,
+                        rank=int(prompt.ranks[o + j]))
+        o += n
 
 
 def detokenize(seq: Sequence, params: SamplingParams, tok: Tokenizer) -> None:

@@ -80,15 +80,16 @@ def kv_cache_bytes(
 def write_layer(
     k_pages: Float[Array, "H N K D"],
     v_pages: Float[Array, "H N K D"],
-    slot_mapping: Int[Array, "T"],
+    cache_positions: Int[Array, "T"],
     k: Float[Array, "T H D"],
     v: Float[Array, "T H D"],
 ) -> tuple[Float[Array, "H N K D"], Float[Array, "H N K D"]]:
-    """Scatters the new tokens' K/V of one layer into their slots; padding (< 0) is dropped."""
+    """Scatters the new tokens' K/V of one layer at their cache positions; padding (< 0) is
+    dropped."""
     n, bs = k_pages.shape[1], k_pages.shape[2]
-    # Slots inside the zero block are never handed out; a negative slot is padding.
-    block = jnp.where(slot_mapping >= bs, slot_mapping // bs, n)
-    off = slot_mapping % bs
+    # Positions inside the zero block are never handed out; a negative one is padding.
+    block = jnp.where(cache_positions >= bs, cache_positions // bs, n)
+    off = cache_positions % bs
     # Advanced indices (block, off) next to each other keep their place: values are [H, T, D].
     kc = k_pages.at[:, block, off].set(jnp.swapaxes(k, 0, 1).astype(k_pages.dtype), mode="drop")
     vc = v_pages.at[:, block, off].set(jnp.swapaxes(v, 0, 1).astype(v_pages.dtype), mode="drop")
@@ -98,12 +99,12 @@ def write_layer(
 def write(
     cache: KVCache,
     layer: int,
-    slot_mapping: Int[Array, "T"],
+    cache_positions: Int[Array, "T"],
     k: Float[Array, "T H D"],
     v: Float[Array, "T H D"],
 ) -> KVCache:
     """`write_layer` on layer `layer` (a static int) of the cache."""
-    kc, vc = write_layer(cache.k[layer], cache.v[layer], slot_mapping, k, v)
+    kc, vc = write_layer(cache.k[layer], cache.v[layer], cache_positions, k, v)
     put = lambda xs, x: xs[:layer] + (x,) + xs[layer + 1:]  # noqa: E731
     return KVCache(put(cache.k, kc), put(cache.v, vc))
 

@@ -13,7 +13,8 @@ every host fact about them, each written in one place:
 
 The scheduler holds the manager and asks it `free_total` / `can_allocate` / `allocate` (a slot
 per sequence) / `preempt` / `release`; the engine calls `evict` (room for a plan), `bring_live`
-(slots a step admits) and `after_step` (with the step's output) around each device call.
+(slots a step admits) and `after_step` (with the step's output) around each device call, and
+`fork` for the forks its callers make outside a step (beam search).
 
 Terms: a *slot* is a sequence's row of the page table; a *block* is a page of the pool.
 """
@@ -38,6 +39,7 @@ from paged_jax.types import Array, Bool, Float, Int
 _mark = jax.jit(pool_lib.mark_cached, donate_argnums=(0,))
 _evict = jax.jit(pool_lib.evict, donate_argnums=(0,))
 _release = jax.jit(pt.release, donate_argnums=(0, 1))
+_fork = jax.jit(pt.fork, donate_argnums=(0, 1))
 
 
 def blocks_needed(seq: Sequence, n: int, block_size: int) -> int:
@@ -65,7 +67,7 @@ def _restore(
     """Swap-in on the device: the slot gets fresh blocks for its tokens, K/V written back."""
     num_new = jnp.zeros_like(table.seq_lens).at[slot].set(n_tokens)
     table = pt.add_sequence(table, slot)
-    pool, table, _, ok = pt.reserve_slots(pool, table, num_new)
+    pool, table, _, ok = pt.reserve_tokens(pool, table, num_new)
     return pool, table, kv_lib.write_blocks(cache, table.block_tables[slot], k, v), ok
 
 
@@ -179,6 +181,26 @@ class KVManager:
         """A slot the step made live itself (a fork's child)."""
         self.slot_live[seq.slot] = True
 
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Gives each child a slot that shares all of `parent`'s blocks (refcount + 1 each).
+
+        Forks the engine's steps do not make themselves (beam search): the first step that
+        writes a shared, partly filled last block copies it (copy-on-write).
+        """
+        if not self.can_allocate(children):
+            raise RuntimeError(f"{len(children)} forks need free sequence slots; "
+                               f"{len(self.free_slots)} left (raise max_num_seqs)")
+        self.allocate(children)
+        src, dst = np.full(self.config.max_seqs, -1, np.int32), np.zeros(self.config.max_seqs,
+                                                                          np.int32)
+        src[: len(children)], dst[: len(children)] = parent.slot, [c.slot for c in children]
+        self.pool, self.table = _fork(self.pool, self.table, jnp.asarray(src), jnp.asarray(dst))
+        shared = parent.num_computed % self.config.block_size != 0
+        parent.maybe_shared_last |= shared
+        for c in children:
+            c.num_computed, c.maybe_shared_last = parent.num_computed, shared
+            self.slot_live[c.slot] = True
+
     # ---- after a step --------------------------------------------------------------------
     def after_step(self, num_free: int, done: list[tuple[Sequence, int]]) -> None:
         """Takes a step's output: the free count, and full blocks filled since
@@ -211,15 +233,6 @@ class KVManager:
         if not gone:
             return
         self._free_rows(mask, self._cached_blocks(gone))
-
-    def release_slots(self, slots: list[int]) -> None:
-        """Frees page-table rows driven outside the engine's sequences (beam search's beams):
-        those of `slots` that are live on the device."""
-        mask = np.zeros(self.config.max_seqs, bool)
-        mask[[s for s in slots if s >= 0]] = True
-        mask &= np.asarray(self.table.live)
-        if mask.any():
-            self._free_rows(mask, [])
 
     def _free_rows(self, mask: np.ndarray, order: list[int]) -> None:
         """The device release of `mask`'s rows; the free count and the prefix cache's LRU

@@ -4,17 +4,17 @@ Latency (per request, the paper's Sec. 6.1 metric first):
     normalized latency = (finish - arrival) / output tokens        seconds per token
     TTFT = first token - arrival;  TPOT = (finish - first token) / (output tokens - 1)
 
-KV memory breakdown (paper Fig. 2), counted in token slots after each step and averaged
+KV memory breakdown (paper Fig. 2), counted in token positions after each step and averaged
 (weighted by iterations: a decode window counts W) over the steps where something runs.
 For each running sequence with `stored` tokens whose K/V are in the cache, final length
 `final` = prompt + output, and a reservation of `r` blocks made at admission (0 if paging):
     allocated = ceil(stored / block_size) blocks;  held = max(r, allocated) blocks
-    token states          stored                               slots holding real K/V
-    reserved (future)     min(held * bs, final) - allocated * bs   slots reserved now that
+    token states          stored                               positions holding real K/V
+    reserved (future)     min(held * bs, final) - allocated * bs   positions reserved now that
                                                                    this request fills later
-    internal fragmentation  held * bs - stored - future        unused slots of the allocated
-                          last block + reserved slots no token will ever fill (over-reservation)
-    external fragmentation  free slots in contiguous holes too small for the reservation of
+    internal fragmentation  held * bs - stored - future        unused positions of the allocated
+                          last block + reserved positions no token will ever fill (over-reservation)
+    external fragmentation  free positions in contiguous holes too small for the reservation of
                           the request at the head of the queue (baselines' first-fit arena);
                           0 under paging, where any free block is usable.
 The paper reports these as shares of the KV memory in use (their sum).
@@ -70,7 +70,7 @@ def latency_summary(timings: list[Timing]) -> dict:
 
 # ---- KV memory breakdown ---------------------------------------------------------------------
 def kv_snapshot(engine) -> dict:
-    """Slots per category (see the module docstring) in the engine's state right now."""
+    """Token positions per category (see the module docstring) in the engine's state right now."""
     sch, bs = engine.scheduler, engine.config.block_size
     out = dict.fromkeys(CATEGORIES, 0) | {"blocks_private": 0}
     for req in sch.running:

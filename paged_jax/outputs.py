@@ -88,7 +88,8 @@ class RequestOutput:
       finished: whether every output has finished.
       metrics: timing of the request.
       num_cached_tokens: prompt tokens served from the prefix cache.
-      prompt_logprobs: always None (prompt logprobs are not supported).
+      prompt_logprobs: with SamplingParams.prompt_logprobs, one entry per prompt token (None
+        for the first): its logprob and rank, plus the top alternatives.
     """
 
     request_id: str

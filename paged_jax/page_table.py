@@ -2,7 +2,7 @@
 
     seq_lens[s] = 37, block_size K = 16           block_tables[s] = [ 7, 3, 12, 0, 0, ... ]
     logical block:   0            1            2                    ^ padding -> zero block
-    tokens:      [0 .. 15] -> 7 [16 .. 31] -> 3 [32 .. 36 | 5 free slots] -> 12
+    tokens:      [0 .. 15] -> 7 [16 .. 31] -> 3 [32 .. 36 | 5 free positions] -> 12
 
 A sequence of length n holds exactly ceil(n / K) blocks; only its last block may be partly
 filled, and only that block is ever written. Forked sequences share blocks (refcount > 1);
@@ -20,7 +20,7 @@ from paged_jax import pool as pool_lib
 from paged_jax.config import CacheConfig
 from paged_jax.pool import BlockPool
 from paged_jax.sizes import cdiv
-from paged_jax.types import NULL_BLOCK, PAD_SLOT, Array, Bool, Int
+from paged_jax.types import NULL_BLOCK, PAD_POSITION, Array, Bool, Int
 
 
 @jax.tree_util.register_dataclass
@@ -32,7 +32,7 @@ class PageTable:
       block_tables: [S, P] physical block of each logical block; 0 (zero block) = none.
       seq_lens: [S] tokens held by each sequence.
       live: [S] whether the slot holds a sequence.
-      block_size: K, token slots per block (static).
+      block_size: K, token positions per block (static).
     """
 
     block_tables: Int[Array, "S P"]
@@ -120,7 +120,7 @@ def fork(
     return pool, table
 
 
-def reserve_slots(
+def reserve_tokens(
     pool: BlockPool, table: PageTable, num_new: Int[Array, "S"], max_new_blocks: int | None = None
 ) -> tuple[BlockPool, PageTable, tuple[Int[Array, "S"], Int[Array, "S"]], Bool[Array, ""]]:
     """Grows every sequence s by `num_new[s]` tokens, allocating blocks only at boundaries.
@@ -227,12 +227,12 @@ def attach_prefixes(
     return pool, table
 
 
-def slot_mapping(
+def cache_positions(
     table: PageTable, seq_ids: Int[Array, "T"], positions: Int[Array, "T"]
 ) -> Int[Array, "T"]:
-    """Flat cache slot (block * K + offset) of each token; PAD_SLOT where seq_ids < 0."""
+    """Flat cache position (block * K + offset) of each token; PAD_POSITION where seq_ids < 0."""
     k = table.block_size
     seq = jnp.clip(seq_ids, 0)
     page = jnp.clip(positions // k, 0, table.max_blocks_per_seq - 1)
     block = table.block_tables[seq, page]
-    return jnp.where(seq_ids >= 0, block * k + positions % k, PAD_SLOT)
+    return jnp.where(seq_ids >= 0, block * k + positions % k, PAD_POSITION)

@@ -284,3 +284,31 @@ def stop_mask(
         jnp.where(eos, FINISH_EOS, jnp.where(stop_id, FINISH_STOP_TOKEN, FINISH_NONE)),
     ).astype(jnp.int32)
     return reason != FINISH_NONE, reason
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    """Per-token logprob of the next prompt token (`StepBatch.next_ids`), its rank in the
+    vocabulary, and the top J' alternatives; raw model logprobs, as vLLM reports them."""
+
+    logprobs: Float[Array, "T"]
+    ranks: Int[Array, "T"]
+    top_ids: Int[Array, "T J"]
+    top_logprobs: Float[Array, "T J"]
+
+    @classmethod
+    def empty(cls, t: int = 0, j: int = 0) -> PromptLogprobs:
+        return cls(jnp.zeros((t,), jnp.float32), jnp.zeros((t,), jnp.int32),
+                   jnp.zeros((t, j), jnp.int32), jnp.zeros((t, j), jnp.float32))
+
+
+def prompt_logprobs(
+    logits: Float[Array, "T V"], next_ids: Int[Array, "T"], top: int
+) -> PromptLogprobs:
+    """Logprob and rank of each token's next prompt token, and the top `top` per token."""
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    want = jnp.take_along_axis(lp, jnp.clip(next_ids, 0)[:, None], axis=-1)[:, 0]
+    ranks = 1 + (lp > want[:, None]).sum(-1, dtype=jnp.int32)
+    top_lp, top_ids = jax.lax.top_k(lp, top)
+    return PromptLogprobs(want, ranks, top_ids.astype(jnp.int32), top_lp)

@@ -43,7 +43,9 @@ class SamplingParams:
       max_tokens: most tokens generated per output; None = up to the model's context length.
       min_tokens: EOS and stop_token_ids are blocked until this many tokens are generated.
       logprobs: also return this many top log-probabilities per generated token.
-      prompt_logprobs: not supported; must be None.
+      prompt_logprobs: also return this many top log-probabilities per prompt token (the
+        prompt token's own logprob and rank always; 0: only those). Such requests do not
+        take prefix-cache hits (every prompt token is computed), as in vLLM.
       detokenize: produce output text.
       skip_special_tokens: drop special tokens from the output text.
       spaces_between_special_tokens: vLLM's detokenizer option; only True is supported.
@@ -113,7 +115,7 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0)
         if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported by paged-jax; pass None.")
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0)
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, low=0)
         if self.stop and not self.detokenize:

@@ -181,11 +181,16 @@ class Scheduler:
                                     self.config.max_skips)
 
     def _cached_len(self, req: Request) -> int:
-        return self.kv.prefix.lookup(req.seqs[0]).num_tokens if pc.fresh(req) else 0
+        return self.kv.prefix.lookup(req.seqs[0]).num_tokens if self._may_hit(req) else 0
+
+    def _may_hit(self, req: Request) -> bool:
+        """Fresh requests may start at a cached prefix, except those that want prompt
+        logprobs (every prompt token must be computed)."""
+        return pc.fresh(req) and req.params.prompt_logprobs is None
 
     def _prefix_hit(self, req: Request) -> pc.Hit | None:
         """Starts a fresh request at its cached prefix (tentatively: undone if not admitted)."""
-        if self.kv.prefix is None or not pc.fresh(req):
+        if self.kv.prefix is None or not self._may_hit(req):
             return None
         hit = self.kv.prefix.lookup(req.seqs[0])
         if not hit.blocks:

@@ -84,6 +84,8 @@ class Request:
     forked: bool = False  # children of an n > 1 request exist on the device
     num_cached_tokens: int = 0
     banned_ids: tuple[int, ...] = ()  # token ids of its bad words (engine_input)
+    # vLLM's prompt_logprobs: None first, then one entry per prompt token (filled as computed)
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:

@@ -7,16 +7,16 @@ row_slots[r], and the host pads the rows to a power-of-two bucket of the sequenc
     run_step(params, state, batch)                    one forward over a ragged batch
       0. admissions         -> slots going live: table row reset, prefix-cache hit attached,
                                sampling parameters written (new requests)
-      1. reserve_slots      -> blocks at boundaries, copy-on-write pairs, ok
+      1. reserve_tokens      -> blocks at boundaries, copy-on-write pairs, ok
       2. copy_blocks        -> private copies of shared last blocks
-      3. model forward      -> writes K/V at slot_mapping, paged attention, logits per row
+      3. model forward      -> writes K/V at cache_positions, paged attention, logits per row
       4. forks (n > 1)      -> children share the prompt's blocks, each with its own key
       5. sample             -> per-row parameters and keys; advance counts; stop on device
 
     decode_window(params, state, row_slots, tokens)   up to W decode steps in a while_loop:
       exits early when every row stopped or the pool cannot grow (no host sync inside)
 
-If `reserve_slots` reports the pool cannot cover the step, steps 1-5 do not run and the state
+If `reserve_tokens` reports the pool cannot cover the step, steps 1-5 do not run and the state
 comes back as it was after the admissions (`ok` False): the host preempts and retries.
 """
 
@@ -94,6 +94,8 @@ class StepBatch:
         a child of row src's slot (shares its blocks) and samples from its logits with key
         fold_in(key, index); src < 0 pads.
       admit: slots going live first (None: none; decode windows).
+      next_ids: [T] for tokens of rows that want prompt logprobs, the prompt token after it
+        (its logprob is reported); -1 elsewhere. Only in steps whose shape has prompt_top.
     """
 
     token_ids: Int[Array, "T"]
@@ -106,12 +108,14 @@ class StepBatch:
     fork_dst: Int[Array, "F"]
     fork_index: Int[Array, "F"]
     admit: Admissions | None = None
+    next_ids: Int[Array, "T"] | None = None
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepOut:
-    """Per-row results of a step (only rows with `sampled` set are meaningful)."""
+    """Per-row results of a step (only rows with `sampled` set are meaningful), and per-token
+    prompt logprobs ([T], [T, J'] arrays when the shape has prompt_top, else empty)."""
 
     tokens: Int[Array, "R"]
     logprobs: Float[Array, "R"]
@@ -122,6 +126,7 @@ class StepOut:
     reason: Int[Array, "R"]
     ok: Bool[Array, ""]
     num_free: Int[Array, ""]
+    prompt: smp.PromptLogprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +150,8 @@ class StepShape:
       max_pages: pages any row holds after the step (None: all P).
       decode_pages: pages of the single-token rows together (attention.flat_decode_reference).
       flags: sampler features the rows need.
+      prompt_top: J', top logprobs per prompt token, when some row wants prompt logprobs
+        (the forward then keeps every token's logits); None: none.
     """
 
     max_q: int = 1
@@ -154,6 +161,7 @@ class StepShape:
     max_pages: int | None = None
     decode_pages: int | None = None
     flags: smp.SampleFlags = smp.SampleFlags()
+    prompt_top: int | None = None
 
 
 def _admit(state: EngineState, adm: Admissions | None) -> EngineState:
@@ -171,7 +179,7 @@ def _admit(state: EngineState, adm: Admissions | None) -> EngineState:
 def _copies(
     src: Int[Array, "S"], dst: Int[Array, "S"], max_copies: int
 ) -> tuple[tuple[Int[Array, "C"], Int[Array, "C"]], Bool[Array, ""]]:
-    """The copy-on-write pairs (dst != 0) packed into `max_copies` slots, and whether they fit.
+    """The copy-on-write pairs (dst != 0) packed into `max_copies` entries, and whether they fit.
 
     Copying costs a gather and a scatter of C blocks in every layer, so steps copy only as
     many blocks as the host says may be shared (usually none).
@@ -194,8 +202,9 @@ def _num_new(batch: StepBatch, num_slots: int) -> Int[Array, "S"]:
 
 def _forward_rows(
     params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, shape: StepShape
-) -> tuple[Float[Array, "R V"], KVCache]:
-    """Model forward over the batch's rows: logits of each row's last token.
+) -> tuple[Float[Array, "R V"], KVCache, smp.PromptLogprobs]:
+    """Model forward over the batch's rows: logits of each row's last token (and the prompt
+    logprobs of every token, when the shape asks for them).
 
     Attention sees only the first `max_pages` pages of each row (a static bucket covering the
     longest sequence in the step), so short contexts do not pay for max_model_len.
@@ -204,14 +213,19 @@ def _forward_rows(
     rows_valid = batch.row_slots >= 0
     slots = jnp.clip(batch.row_slots, 0)
     seq_ids = jnp.where(batch.token_rows >= 0, batch.row_slots[batch.token_rows], -1)
-    slot_map = pt.slot_mapping(table, seq_ids, batch.positions)
+    cache_pos = pt.cache_positions(table, seq_ids, batch.positions)
     seq_lens = jnp.where(rows_valid, table.seq_lens[slots], 0)
-    return forward(
-        params, state.cache, batch.token_ids, batch.positions, slot_map,
+    every = shape.prompt_top is not None
+    logits, cache = forward(
+        params, state.cache, batch.token_ids, batch.positions, cache_pos,
         table.block_tables[slots][:, :shape.max_pages], seq_lens, batch.query_start,
         config=cfg.model, max_q=shape.max_q, backend=cfg.backend, max_q_rows=shape.max_q_rows,
-        decode_pages=shape.decode_pages,
+        decode_pages=shape.decode_pages, all_logits=every,
     )
+    if not every:
+        return logits, cache, smp.PromptLogprobs.empty()
+    prompt = smp.prompt_logprobs(logits, batch.next_ids, shape.prompt_top)
+    return logits[jnp.clip(batch.query_start[1:] - 1, 0)], cache, prompt
 
 
 def _fork_children(
@@ -238,15 +252,18 @@ def _sample(
     counted = dataclasses.replace(rows, num_generated=rows.num_generated + active)
     finished, reason = smp.stop_mask(counted, res.tokens)
     out = StepOut(res.tokens, res.logprobs, res.top_ids, res.top_logprobs, active,
-                  finished & active, reason, jnp.asarray(True), state.pool.num_free)
+                  finished & active, reason, jnp.asarray(True), state.pool.num_free,
+                  smp.PromptLogprobs.empty())
     return dataclasses.replace(state, sampling=sampling), out
 
 
-def _empty_out(state: EngineState, rows: int, flags: smp.SampleFlags) -> StepOut:
-    j = flags.num_top_logprobs
+def _empty_out(state: EngineState, rows: int, tokens: int, shape: StepShape) -> StepOut:
+    j = shape.flags.num_top_logprobs
     zi, zf, zb = (jnp.zeros((rows,), t) for t in (jnp.int32, jnp.float32, bool))
+    prompt = (smp.PromptLogprobs.empty() if shape.prompt_top is None
+              else smp.PromptLogprobs.empty(tokens, shape.prompt_top))
     return StepOut(zi, zf, jnp.zeros((rows, j), jnp.int32), jnp.zeros((rows, j), jnp.float32),
-                   zb, zb, zi, jnp.asarray(False), state.pool.num_free)
+                   zb, zb, zi, jnp.asarray(False), state.pool.num_free, prompt)
 
 
 def step_body(
@@ -255,7 +272,7 @@ def step_body(
     """One ragged step (unjitted; see `run_step`)."""
     state = _admit(state, batch.admit)
     num_new = _num_new(batch, state.table.live.shape[0])
-    pool, table, (src, dst), ok = pt.reserve_slots(
+    pool, table, (src, dst), ok = pt.reserve_tokens(
         state.pool, state.table, num_new, max_new_blocks=shape.max_new_blocks)
     (src, dst), fits = _copies(src, dst, shape.max_copies)
     pool, table = jax.tree.map(lambda a, b: jnp.where(fits, a, b), (pool, table),
@@ -265,13 +282,14 @@ def step_body(
     def go(_):
         cache = copy_blocks(state.cache, src, dst) if shape.max_copies else state.cache
         st = EngineState(pool, table, cache, state.sampling)
-        logits, cache = _forward_rows(params, st, batch, cfg, shape)
+        logits, cache, prompt = _forward_rows(params, st, batch, cfg, shape)
         st, logits = _fork_children(dataclasses.replace(st, cache=cache), logits, batch)
-        return _sample(st, logits, batch.row_slots, batch.sample & (batch.row_slots >= 0),
-                       shape.flags)
+        st, out = _sample(st, logits, batch.row_slots, batch.sample & (batch.row_slots >= 0),
+                          shape.flags)
+        return st, dataclasses.replace(out, prompt=prompt)
 
-    rows = batch.row_slots.shape[0]
-    return jax.lax.cond(ok, go, lambda _: (state, _empty_out(state, rows, shape.flags)), None)
+    rows, tokens = batch.row_slots.shape[0], batch.token_ids.shape[0]
+    return jax.lax.cond(ok, go, lambda _: (state, _empty_out(state, rows, tokens, shape)), None)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "shape"), donate_argnames=("state",))

@@ -1,16 +1,17 @@
 """Axis letters used in every jaxtyping annotation of paged-jax, defined once.
 
     B batch          T tokens (flat, ragged)    S sequence slots     P pages per sequence
-    N physical blocks in the pool               K block size (token slots per block)
+    N physical blocks in the pool               K block size (token positions per block)
     H KV heads       Q query heads (H * G)      G query heads per KV head
     D head dim       L layers                   E model width        V vocabulary
     F forks (pairs)  C copy pairs               R query groups (rows or tiles)
-    M queries per group (or stop ids per row)   X key slots (P * K)
+    M queries per group (or stop ids per row)   X key positions (P * K)
     J top logprobs per row                      A admitted requests in a step
     W decode steps in a window
 
 "Slot" means a sequence's row of the page table (S slots). Where a token's K/V lands in the
-pool (block * K + offset) is its *cache position*, the values of `slot_mapping` (vLLM's name).
+pool (block * K + offset) is its *cache position*, the values of `cache_positions` (vLLM's
+`slot_mapping`).
 
 Shapes are written in annotations as strings, e.g. ``Int[Array, "S P"]``.
 """
@@ -22,5 +23,5 @@ __all__ = ["Array", "Bool", "Float", "Int"]
 NULL_BLOCK = 0
 """Block 0 is the zero block: never allocated or freed; padding table entries point at it."""
 
-PAD_SLOT = -1
-"""Slot-mapping value of a padding token: its K/V write is dropped."""
+PAD_POSITION = -1
+"""Cache position of a padding token: its K/V write is dropped."""

@@ -112,8 +112,9 @@ def arrivals(n: int, rate: float, rng: np.random.Generator, cv: float = 1.0) -> 
 
 
 def text_prompt(n_tokens: int, tokenizer, text: str = TEXT) -> list[int]:
-    """Exactly n_tokens token ids of real text: `text` repeated, cut at the length."""
-    ids = tokenizer.encode(text)
+    """Exactly n_tokens token ids of real text: `text` repeated, cut at the length. Without a
+    tokenizer the ids are the text's UTF-8 bytes (valid in any vocabulary of >= 256)."""
+    ids = tokenizer.encode(text) if tokenizer is not None else list(text.encode())
     reps = cdiv(n_tokens, max(1, len(ids)))
     return (ids * reps)[:n_tokens]
 
@@ -127,7 +128,7 @@ def make_workload(dist: LengthDist | str, n: int, rate: float, tokenizer, seed: 
       dist: a LengthDist or a name in DATASETS.
       n: number of requests.
       rate: requests per second (inf: all at t = 0).
-      tokenizer: encodes the prompt text (the model's own tokenizer).
+      tokenizer: encodes the prompt text (the model's own tokenizer; None: UTF-8 bytes).
       seed: seeds lengths and arrivals.
       scale: length scale factor (1.0 = the paper's means).
       max_model_len: clip so that prompt + output fits.

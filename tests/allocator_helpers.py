@@ -5,7 +5,7 @@ import jax.numpy as jnp
 
 from paged_jax.config import CacheConfig
 from paged_jax.kv_cache import copy_blocks, write
-from paged_jax.page_table import reserve_slots, slot_mapping
+from paged_jax.page_table import cache_positions, reserve_tokens
 
 
 def make_append(cfg: CacheConfig, max_new: int, v_sign: float = -1.0):
@@ -18,12 +18,12 @@ def make_append(cfg: CacheConfig, max_new: int, v_sign: float = -1.0):
     @jax.jit
     def append(pool, table, cache, num_new, values):
         old = table.seq_lens
-        pool, table, (src, dst), ok = reserve_slots(pool, table, num_new)
+        pool, table, (src, dst), ok = reserve_tokens(pool, table, num_new)
         cache = copy_blocks(cache, src, dst)
         seq = jnp.repeat(jnp.arange(cfg.max_seqs), max_new)
         i = jnp.tile(jnp.arange(max_new), cfg.max_seqs)
         real = (i < num_new[seq]) & ok
-        slots = slot_mapping(table, jnp.where(real, seq, -1), old[seq] + i)
+        slots = cache_positions(table, jnp.where(real, seq, -1), old[seq] + i)
         kv = values[:, None, None]
         return pool, table, write(cache, 0, slots, kv, v_sign * kv), ok, (dst != 0).sum()
 

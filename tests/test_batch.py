@@ -98,7 +98,7 @@ def test_a_copy_beyond_max_copies_is_refused_not_written():
     eng = engine()
     st = eng.state
     table = pt.add_sequence(st.table, 0)
-    pool, table, _, _ = pt.reserve_slots(st.pool, table, jnp.zeros(8, jnp.int32).at[0].set(5))
+    pool, table, _, _ = pt.reserve_tokens(st.pool, table, jnp.zeros(8, jnp.int32).at[0].set(5))
     pool, table = pt.fork(pool, table, jnp.array([0]), jnp.array([1]))
     eng.state = st = dataclasses.replace(st, pool=pool, table=table)
     batch = decode_batch(jnp.array([1]), jnp.array([7]), jnp.array([True]), table.seq_lens)

@@ -11,11 +11,11 @@ from paged_jax.config import CacheConfig
 from paged_jax.invariants import InvariantError, check_invariants
 from paged_jax.page_table import (
     add_sequence,
+    cache_positions,
     fork,
     init_page_table,
     release,
-    reserve_slots,
-    slot_mapping,
+    reserve_tokens,
 )
 from paged_jax.pool import init_pool
 
@@ -33,11 +33,11 @@ def rows(table):
 def test_blocks_allocated_only_at_boundaries():
     pool, t = fresh()
     t = add_sequence(t, 0)
-    pool, t, _, ok = reserve_slots(pool, t, jnp.array([3, 0, 0]))
+    pool, t, _, ok = reserve_tokens(pool, t, jnp.array([3, 0, 0]))
     assert bool(ok) and rows(t)[0] == [1, 0, 0, 0]
-    pool, t, _, ok = reserve_slots(pool, t, jnp.array([1, 0, 0]))  # fills block 1 exactly
+    pool, t, _, ok = reserve_tokens(pool, t, jnp.array([1, 0, 0]))  # fills block 1 exactly
     assert rows(t)[0] == [1, 0, 0, 0] and int(pool.num_free) == 8
-    pool, t, _, ok = reserve_slots(pool, t, jnp.array([1, 0, 0]))  # crosses the boundary
+    pool, t, _, ok = reserve_tokens(pool, t, jnp.array([1, 0, 0]))  # crosses the boundary
     assert rows(t)[0] == [1, 2, 0, 0] and int(t.seq_lens[0]) == 5
     check_invariants(pool, t)
 
@@ -45,13 +45,13 @@ def test_blocks_allocated_only_at_boundaries():
 def test_fork_shares_blocks_and_cow_copies_partial_last_block():
     pool, t = fresh()
     t = add_sequence(t, 0)
-    pool, t, _, _ = reserve_slots(pool, t, jnp.array([6, 0, 0]))  # blocks 1, 2 (2 partly full)
+    pool, t, _, _ = reserve_tokens(pool, t, jnp.array([6, 0, 0]))  # blocks 1, 2 (2 partly full)
     pool, t = fork(pool, t, jnp.array([0]), jnp.array([1]))
     assert rows(t)[:2] == [[1, 2, 0, 0], [1, 2, 0, 0]]
     assert np.asarray(pool.refcount).tolist()[:3] == [0, 2, 2]
     check_invariants(pool, t)
     # Only seq 1 writes: it gets a private copy (block 3) of the shared block 2.
-    pool, t, (src, dst), ok = reserve_slots(pool, t, jnp.array([0, 1, 0]))
+    pool, t, (src, dst), ok = reserve_tokens(pool, t, jnp.array([0, 1, 0]))
     assert bool(ok) and rows(t)[:2] == [[1, 2, 0, 0], [1, 3, 0, 0]]
     assert np.asarray(src).tolist() == [0, 2, 0] and np.asarray(dst).tolist() == [0, 3, 0]
     assert np.asarray(pool.refcount).tolist()[:4] == [0, 2, 1, 1]
@@ -61,9 +61,9 @@ def test_fork_shares_blocks_and_cow_copies_partial_last_block():
 def test_when_all_sharers_write_the_first_keeps_the_block():
     pool, t = fresh()
     t = add_sequence(t, 0)
-    pool, t, _, _ = reserve_slots(pool, t, jnp.array([2, 0, 0]))
+    pool, t, _, _ = reserve_tokens(pool, t, jnp.array([2, 0, 0]))
     pool, t = fork(pool, t, jnp.array([0, 0]), jnp.array([1, 2]))
-    pool, t, (src, dst), ok = reserve_slots(pool, t, jnp.array([1, 1, 1]))
+    pool, t, (src, dst), ok = reserve_tokens(pool, t, jnp.array([1, 1, 1]))
     assert rows(t) == [[1, 0, 0, 0], [2, 0, 0, 0], [3, 0, 0, 0]]
     assert np.asarray(dst).tolist() == [0, 2, 3]
     check_invariants(pool, t)
@@ -72,9 +72,9 @@ def test_when_all_sharers_write_the_first_keeps_the_block():
 def test_exhaustion_and_overlong_leave_state_unchanged():
     pool, t = fresh()
     t = add_sequence(add_sequence(t, 0), 1)
-    pool, t, _, _ = reserve_slots(pool, t, jnp.array([16, 12, 0]))  # 7 of 9 blocks
+    pool, t, _, _ = reserve_tokens(pool, t, jnp.array([16, 12, 0]))  # 7 of 9 blocks
     for want in ([0, 1, 0], [5, 5, 0], [1, 9, 0]):  # 8 blocks needed; second too long (> P*K)
-        p2, t2, _, ok = reserve_slots(pool, t, jnp.array(want))
+        p2, t2, _, ok = reserve_tokens(pool, t, jnp.array(want))
         if want == [0, 1, 0]:
             assert bool(ok)
             continue
@@ -86,7 +86,7 @@ def test_exhaustion_and_overlong_leave_state_unchanged():
 def test_release_returns_every_block():
     pool, t = fresh()
     t = add_sequence(t, 0)
-    pool, t, _, _ = reserve_slots(pool, t, jnp.array([9, 0, 0]))
+    pool, t, _, _ = reserve_tokens(pool, t, jnp.array([9, 0, 0]))
     pool, t = fork(pool, t, jnp.array([0]), jnp.array([2]))
     pool, t = release(pool, t, jnp.array([True, False, False]))
     assert int(pool.num_free) == 6
@@ -95,18 +95,18 @@ def test_release_returns_every_block():
     check_invariants(pool, t)
 
 
-def test_slot_mapping_and_padding():
+def test_cache_positions_and_padding():
     pool, t = fresh()
     t = add_sequence(t, 1)
-    pool, t, _, _ = reserve_slots(pool, t, jnp.array([0, 6, 0]))
-    sm = slot_mapping(t, jnp.array([1, 1, -1]), jnp.array([0, 5, 0]))
+    pool, t, _, _ = reserve_tokens(pool, t, jnp.array([0, 6, 0]))
+    sm = cache_positions(t, jnp.array([1, 1, -1]), jnp.array([0, 5, 0]))
     assert np.asarray(sm).tolist() == [4, 9, -1]
 
 
 def test_checker_catches_a_corrupted_refcount():
     pool, t = fresh()
     t = add_sequence(t, 0)
-    pool, t, _, _ = reserve_slots(pool, t, jnp.array([5, 0, 0]))
+    pool, t, _, _ = reserve_tokens(pool, t, jnp.array([5, 0, 0]))
     bad = dataclasses.replace(pool, refcount=pool.refcount.at[1].add(1))
     with pytest.raises(InvariantError, match="refcount"):
         check_invariants(bad, t)
@@ -115,9 +115,9 @@ def test_checker_catches_a_corrupted_refcount():
 def scenario(pool, t, lens, forks_src, forks_dst, grow, drop):
     """add -> reserve -> fork -> reserve (cow) -> release, as one pure function."""
     t = add_sequence(add_sequence(t, 0), 1)
-    pool, t, _, ok1 = reserve_slots(pool, t, lens)
+    pool, t, _, ok1 = reserve_tokens(pool, t, lens)
     pool, t = fork(pool, t, forks_src, forks_dst)
-    pool, t, cow, ok2 = reserve_slots(pool, t, grow)
+    pool, t, cow, ok2 = reserve_tokens(pool, t, grow)
     pool, t = release(pool, t, drop)
     return pool, t, cow, ok1 & ok2
 

@@ -8,7 +8,7 @@ import pytest
 
 from paged_jax.engine import EngineConfig
 from paged_jax.invariants import InvariantError, check_invariants
-from paged_jax.page_table import add_sequence, init_page_table, release, reserve_slots
+from paged_jax.page_table import add_sequence, init_page_table, release, reserve_tokens
 from paged_jax.pool import decref, evict, incref, init_pool, mark_cached, num_cached_free, num_used
 from paged_jax.prefix_cache import PrefixCache, cache_aware_order, count_skips
 from paged_jax.sampling_params import SamplingParams
@@ -38,7 +38,7 @@ def test_cached_block_is_kept_off_the_free_stack_until_evicted():
 def test_invariants_cover_cached_free_blocks():
     cfg_table = init_page_table(_cfg())
     pool, table = init_pool(6), add_sequence(cfg_table, 0)
-    pool, table, _, ok = reserve_slots(pool, table, jnp.array([4, 0]))  # blocks 1, 2
+    pool, table, _, ok = reserve_tokens(pool, table, jnp.array([4, 0]))  # blocks 1, 2
     pool = mark_cached(pool, jnp.array([1, 2]))
     pool, table = release(pool, table, jnp.array([True, False]))
     check_invariants(pool, table)

@@ -63,7 +63,7 @@ def test_clone_does_not_share_lists():
         (dict(min_tokens=-1), "min_tokens"),
         (dict(min_tokens=5, max_tokens=4), "min_tokens"),
         (dict(logprobs=-1), "logprobs"),
-        (dict(prompt_logprobs=1), "prompt_logprobs"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
         (dict(stop_token_ids=[1, "2"]), "stop_token_ids"),
         (dict(stop_token_ids=[-3]), "stop_token_ids"),
         (dict(stop=["ok", ""]), "stop"),

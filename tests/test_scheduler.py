@@ -39,7 +39,7 @@ def run_until(sch: Scheduler, req: Request, computed: int, extra_tokens: int = 0
     num_new = np.zeros(kv.config.max_seqs, np.int32)
     num_new[seq.slot] = computed
     table = pt.add_sequence(kv.table, jnp.asarray(seq.slot))
-    kv.pool, kv.table, _, ok = jax.jit(pt.reserve_slots)(kv.pool, table, jnp.asarray(num_new))
+    kv.pool, kv.table, _, ok = jax.jit(pt.reserve_tokens)(kv.pool, table, jnp.asarray(num_new))
     assert bool(ok)
     kv.slot_live[seq.slot] = True
     kv.num_free = int(kv.pool.num_free)

@@ -136,7 +136,7 @@ def attention_block(
     `rope_tables`; `attn` the static keyword arguments of `paged_attention` (max_q, backend,
     max_q_rows, decode_pages).
     """
-    positions, slots, block_tables, seq_lens, query_start = batch
+    positions, cache_pos, block_tables, seq_lens, query_start = batch
     t, d = x.shape[0], config.head_dim
     nq, nk = config.num_heads * d, config.num_kv_heads * d
     qkv = x @ p["w_qkv"]
@@ -146,7 +146,7 @@ def attention_block(
     k = qkv[:, nq:nq + nk].reshape(t, config.num_kv_heads, d)
     v = qkv[:, nq + nk:].reshape(t, config.num_kv_heads, d)
     q, k = rope(q, *rot), rope(k, *rot)
-    kv = kv_lib.write_layer(*kv, slots, k, v)
+    kv = kv_lib.write_layer(*kv, cache_pos, k, v)
     o = paged_attention(q, *kv, block_tables, seq_lens, query_start, **attn)
     o = o.reshape(t, -1).astype(x.dtype) @ p["wo"]
     return (o + p["bo"] if "bo" in p else o), kv
@@ -177,7 +177,7 @@ def forward(
     cache: KVCache,
     token_ids: Int[Array, "T"],
     positions: Int[Array, "T"],
-    slot_mapping: Int[Array, "T"],
+    cache_positions: Int[Array, "T"],
     block_tables: Int[Array, "S P"],
     seq_lens: Int[Array, "S"],
     query_start: Int[Array, "S+1"],
@@ -194,8 +194,8 @@ def forward(
     Args:
       params: the model pytree, either form (module docstring); its dtype is the compute dtype.
       cache: KV pages, one [H, N, K, D] pair per layer; this step's K/V are written at
-        `slot_mapping`.
-      token_ids, positions, slot_mapping: [T] per token; padding tokens have slot < 0.
+        `cache_positions`.
+      token_ids, positions, cache_positions: [T] per token; padding tokens have cache position < 0.
       block_tables, seq_lens, query_start: the paging of the S sequences (attention.py).
       config: static model config.
       max_q: static bound on queries per sequence (1 for decode).
@@ -211,7 +211,7 @@ def forward(
     """
     x = params["embed"][token_ids]
     rot = rope_tables(positions, jnp.asarray(inv_frequencies(config)))
-    batch = (positions, slot_mapping, block_tables, seq_lens, query_start)
+    batch = (positions, cache_positions, block_tables, seq_lens, query_start)
     eps = config.rms_norm_eps
     attn = (("max_q", max_q), ("backend", backend), ("max_q_rows", max_q_rows),
             ("decode_pages", decode_pages))

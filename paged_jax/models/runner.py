@@ -1,7 +1,7 @@
 """A minimal host-side greedy loop over the paged cache (tests, CLI, benchmarks; not the engine).
 
-Every step is one ragged batch: `reserve_slots` grows each sequence by its new tokens, the
-model writes their K/V at `slot_mapping` and attends through the block tables.
+Every step is one ragged batch: `reserve_tokens` grows each sequence by its new tokens, the
+model writes their K/V at `cache_positions` and attends through the block tables.
 """
 
 from __future__ import annotations
@@ -66,14 +66,14 @@ class Runner:
         seq_ids[:t] = np.repeat(np.arange(s_max), num_new)
         tokens = np.zeros(width, np.int32)
         tokens[:t] = np.concatenate([np.asarray(x, np.int64) for x in new_tokens])
-        self.pool, self.table, positions, slots, query_start, ok = _plan(
+        self.pool, self.table, positions, cache_pos, query_start, ok = _plan(
             self.pool, self.table, jnp.asarray(num_new), jnp.asarray(seq_ids)
         )
         if not bool(ok):
             raise RuntimeError("KV pool or page table too small for this step")
         fwd = make_forward(self.config, _bucket(int(num_new.max())), self.backend, all_logits)
         logits, self.cache = fwd(
-            self.params, self.cache, jnp.asarray(tokens), positions, slots,
+            self.params, self.cache, jnp.asarray(tokens), positions, cache_pos,
             self.table.block_tables, self.table.seq_lens, query_start,
         )
         return np.asarray(logits[:t] if all_logits else logits[: len(new_tokens)])
@@ -84,15 +84,15 @@ def _plan(
     pool: pool_lib.BlockPool, table: pt.PageTable, num_new: Int[Array, "S"],
     seq_ids: Int[Array, "T"],
 ) -> tuple:
-    """Grows the sequences, then the positions, cache slots and query offsets of the tokens."""
+    """Grows the sequences, then the positions, cache positions and query offsets of the tokens."""
     old_lens = table.seq_lens
-    pool, table, _, ok = pt.reserve_slots(pool, table, num_new)
+    pool, table, _, ok = pt.reserve_tokens(pool, table, num_new)
     query_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(num_new)])
     sid = jnp.clip(seq_ids, 0)
     positions = old_lens[sid] + jnp.arange(seq_ids.shape[0]) - query_start[sid]
     positions = jnp.where(seq_ids >= 0, positions, 0).astype(jnp.int32)
-    slots = pt.slot_mapping(table, seq_ids, positions)
-    return pool, table, positions, slots, query_start.astype(jnp.int32), ok
+    cache_pos = pt.cache_positions(table, seq_ids, positions)
+    return pool, table, positions, cache_pos, query_start.astype(jnp.int32), ok
 
 
 def greedy(

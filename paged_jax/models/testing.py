@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 from jax.typing import DTypeLike
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
 
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.llama import Params
 from paged_jax.models.params import LAYER_VECTORS, LAYER_WEIGHTS, build_params, expected_shapes
-from paged_jax.models.tokenizer import Tokenizer
 
 EOS = 256
 
@@ -47,8 +44,13 @@ def random_params(config: ModelConfig, seed: int = 0, dtype: DTypeLike = np.floa
     return build_params(config, get, dtype)
 
 
-def byte_tokenizer() -> Tokenizer:
+def byte_tokenizer():
     """Byte-level tokenizer: one token per UTF-8 byte, id 256 = EOS."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from paged_jax.models.tokenizer import Tokenizer
+
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: _byte_of(c))
     vocab = {c: i for i, c in enumerate(alphabet)}
     vocab["</s>"] = EOS

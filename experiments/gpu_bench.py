@@ -1,0 +1,268 @@
+"""One GPU, one command (`make gpu-bench`): the Pallas kernels and the whole engine, < 5 min.
+
+    PYTHONPATH=. python3 -m experiments.gpu_bench [--out DIR] [--budget-s 270] [--dry-run]
+
+1. kernels (kernels/gpu_check.py): the device's copy bandwidth; every variant checked against
+   the jnp reference; decode and ragged prefill+decode attention, block 16, bf16, Llama-3-8B
+   heads (32/8, D=128), over a batch x context grid, vs JAX's own Pallas paged_attention and
+   dense attention on a contiguous cache: ms, GB/s of K/V read, % of the copy bandwidth. L2 is
+   flushed before every timed call, so small grid points cannot read from cache.
+2. the engine (Pallas backend): a Llama-3.2-1B-shaped model with random bf16 weights (no
+   checkpoint), ShareGPT-like requests all arriving at once; output tok/s and mean batch for
+   paged KV vs static batching vs Orca-style max reservation under the same KV pool; and the
+   decode step at batch 64 vs its roofline (weights + cached K/V bytes / copy bandwidth).
+
+Writes gpu_bench.json and gpu_bench.png (when matplotlib imports) to --out ($OUT, else
+results/). Without a GPU it prints the plan and exits with status 2. Needs only jax, numpy
+and jaxtyping (the GPU machine's own python3): no tokenizer, no checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
+                rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=131072,
+                eos_token_ids=(128001,))  # Llama-3.2-1B's shapes; llama3 RoPE scaling left out
+ENGINE = dict(block_size=16, num_kv_blocks=4097, max_num_seqs=128, max_num_batched_tokens=2048,
+              max_model_len=2048, decode_window=16, enable_prefix_caching=False)
+WORKLOAD = dict(dataset="sharegpt", requests=96, scale=0.5, seed=0)
+POLICIES = ("paged", "orca-max", "static")
+DECODE = dict(batch=64, prompt=512, tokens=48)  # the decode-step roofline point
+
+
+@dataclasses.dataclass
+class Plan:
+    """What a run will do: model, engine, workload, policies, time budgets."""
+
+    model: dict
+    engine: dict
+    workload: dict
+    policies: tuple[str, ...]
+    decode: dict
+    kernel_budget_s: float
+    engine_budget_s: float
+
+    def describe(self) -> str:
+        m = self.model
+        return (f"engine: {m['num_layers']} layers, hidden {m['hidden_size']}, heads "
+                f"{m['num_heads']}/{m['num_kv_heads']} x {m['head_dim']}, vocab "
+                f"{m['vocab_size']}; pool {self.engine['num_kv_blocks'] - 1} blocks of "
+                f"{self.engine['block_size']}; {self.workload['requests']} "
+                f"{self.workload['dataset']}-like requests (scale {self.workload['scale']}); "
+                f"policies {', '.join(self.policies)}; decode roofline at batch "
+                f"{self.decode['batch']}, context {self.decode['prompt']}; budgets: kernels "
+                f"{self.kernel_budget_s:.0f} s, engine {self.engine_budget_s:.0f} s")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or "results")
+    ap.add_argument("--budget-s", type=float, default=270.0, help="whole run, kernels ~40%%")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan, touch no device")
+    return ap.parse_args(argv)
+
+
+def make_plan(budget_s: float, model: dict | None = None, engine: dict | None = None,
+              workload: dict | None = None, decode: dict | None = None) -> Plan:
+    return Plan(model or LLAMA_1B, engine or ENGINE, workload or WORKLOAD, POLICIES,
+                decode or DECODE, 0.4 * budget_s, 0.6 * budget_s)
+
+
+# ------------------------------------------------------------------------------- the engine
+def random_model(model: dict, dtype="bfloat16", seed: int = 0):
+    """(ModelConfig, params) with Gaussian weights drawn on the device, in the layout of
+    models.params.build_params (layer weights stacked [L, in, out])."""
+    import jax
+    import jax.numpy as jnp
+
+    from paged_jax.models.config import ModelConfig
+    from paged_jax.models.params import LAYER_WEIGHTS, expected_shapes
+
+    config = ModelConfig(**model)
+    shapes, dt = expected_shapes(config), jnp.dtype(dtype)
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 16))
+
+    def weight(shape, stack=True):
+        out_dim, in_dim = shape
+        full = (config.num_layers, in_dim, out_dim) if stack else (out_dim, in_dim)
+        return (jax.random.normal(next(keys), full, jnp.float32) * in_dim**-0.5).astype(dt)
+
+    ones = lambda n: jnp.ones((config.num_layers, n), dt)  # noqa: E731
+    layers = {b: weight(shapes[b]) for b in LAYER_WEIGHTS}
+    layers |= {"attn_norm": ones(config.hidden_size), "mlp_norm": ones(config.hidden_size)}
+    params = {"embed": weight(shapes["embed"], stack=False),
+              "final_norm": jnp.ones((config.hidden_size,), dt), "layers": layers}
+    if not config.tie_word_embeddings:
+        params["lm_head"] = weight(shapes["lm_head"], stack=False).T
+    return config, params
+
+
+def engine_for(config, params, engine: dict, policy: str, backend: str | None = None):
+    """An Engine without a tokenizer (token-id prompts, detokenize=False)."""
+    from paged_jax.engine import Engine, EngineConfig
+
+    return Engine(config, params, None, EngineConfig(**engine, reservation=policy,
+                                                     backend=backend))
+
+
+def workload_items(plan: Plan):
+    from paged_jax.workloads import make_workload
+
+    w = plan.workload
+    return make_workload(w["dataset"], w["requests"], float("inf"), None, w["seed"], w["scale"],
+                         plan.engine["max_model_len"])
+
+
+def serve(eng, items, deadline: float) -> dict:
+    """All items at once, greedy, exactly their output lengths; stops at `deadline`."""
+    from paged_jax.sampling_params import SamplingParams
+
+    for w in items:
+        eng.add_request(w.request_id, {"prompt_token_ids": w.prompt_token_ids},
+                        SamplingParams(temperature=0.0, max_tokens=w.output_len,
+                                       ignore_eos=True, detokenize=False))
+    t0, tokens, done = time.perf_counter(), 0, 0
+    while eng.has_unfinished() and time.perf_counter() < deadline:
+        for out in eng.step():
+            if out.finished:
+                done += 1
+                tokens += sum(len(c.token_ids) for c in out.outputs)
+    wall = time.perf_counter() - t0
+    busy = [(s.duration, s.running) for s in eng.stats if s.num_steps]
+    total = sum(d for d, _ in busy)
+    return dict(finished=done, requests=len(items), output_tokens=tokens, wall_s=wall,
+                output_tokens_per_s=tokens / wall if wall else 0.0,
+                mean_batch=sum(d * r for d, r in busy) / total if total else 0.0,
+                complete=not eng.has_unfinished())
+
+
+def decode_roofline(config, params, plan: Plan, bandwidth: float, deadline: float) -> dict:
+    """Decode step time at batch B and context C vs (weight + K/V bytes) / copy bandwidth."""
+    from paged_jax.metrics import kv_bytes_per_token, weight_bytes
+    from paged_jax.sampling_params import SamplingParams
+
+    d = plan.decode
+    eng = engine_for(config, params, plan.engine, "paged")
+    sp = SamplingParams(temperature=0.0, max_tokens=d["tokens"], ignore_eos=True,
+                        detokenize=False)
+    for i in range(d["batch"]):
+        eng.add_request(f"d{i}", {"prompt_token_ids": [1 + (i + j) % 250 for j in
+                                                       range(d["prompt"])]}, sp)
+    while eng.has_unfinished() and time.perf_counter() < deadline:
+        eng.step()
+    full = [s for s in eng.stats if s.kind == "window" and s.running == d["batch"]]
+    full = full[1:] or full  # the first window of a shape compiles
+    if not full:
+        return dict(error="no full decode window ran before the deadline")
+    step = sum(s.duration for s in full) / sum(s.num_steps for s in full)
+    ctx = d["prompt"] + d["tokens"] / 2
+    moved = weight_bytes(params) + d["batch"] * ctx * kv_bytes_per_token(
+        config, jax_dtype(params))
+    return dict(batch=d["batch"], context=ctx, step_ms=step * 1e3,
+                roofline_ms=moved / bandwidth * 1e3, ratio=step * bandwidth / moved)
+
+
+def jax_dtype(params):
+    import jax
+
+    return jax.tree.leaves(params)[0].dtype
+
+
+def run_engine(plan: Plan, bandwidth: float, budget_s: float, backend: str | None = None
+               ) -> dict:
+    """Section 2: every policy on the same workload and pool, then the decode roofline."""
+    t0 = time.perf_counter()
+    config, params = random_model(plan.model)
+    items = workload_items(plan)
+    per = budget_s / (len(plan.policies) + 1)
+    rows = []
+    for i, policy in enumerate(plan.policies):
+        eng = engine_for(config, params, plan.engine, policy, backend)
+        rows.append(dict(policy=policy, **serve(eng, items, t0 + per * (i + 1))))
+        print(f"engine {policy:9} {rows[-1]}", flush=True)
+    roof = decode_roofline(config, params, plan, bandwidth, t0 + budget_s)
+    print(f"decode roofline {roof}", flush=True)
+    return dict(policies=rows, decode=roof, workload=_describe(items))
+
+
+def _describe(items) -> dict:
+    from paged_jax.workloads import describe
+
+    return describe(items)
+
+
+# ------------------------------------------------------------------------------- output
+def write(result: dict, out: Path) -> list[Path]:
+    """gpu_bench.json, and gpu_bench.png when matplotlib is there."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "gpu_bench.json"]
+    paths[0].write_text(json.dumps(result, indent=1, default=str))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
+        return paths
+    fig, (ax_k, ax_e) = plt.subplots(1, 2, figsize=(11, 4))
+    _plot_kernels(ax_k, result.get("kernels", {}))
+    rows = result.get("engine", {}).get("policies", [])
+    ax_e.bar([r["policy"] for r in rows], [r["output_tokens_per_s"] for r in rows])
+    ax_e.set(ylabel="output tok/s", title="engine, ShareGPT-like, same KV pool")
+    fig.tight_layout()
+    fig.savefig(out / "gpu_bench.png", dpi=120)
+    plt.close(fig)
+    return paths + [out / "gpu_bench.png"]
+
+
+def _plot_kernels(ax, kernels: dict) -> None:
+    rows = [r for r in kernels.get("rows", []) if "gbps" in r]
+    for name in sorted({r["name"] for r in rows}):
+        pts = [(r["batch"] * r["ctx"], r["gbps"]) for r in rows if r["name"] == name]
+        ax.plot(*zip(*sorted(pts), strict=True), marker="o", label=name)
+    if kernels.get("copy_gbps"):
+        ax.axhline(kernels["copy_gbps"], color="k", ls="--", label="copy bandwidth")
+    ax.set(xscale="log", xlabel="batch x context (tokens)", ylabel="GB/s of K/V read",
+           title="attention kernels")
+    ax.legend(fontsize=6)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    plan = make_plan(args.budget_s)
+    print("gpu-bench plan:", plan.describe())
+    from kernels import gpu_check
+
+    print("kernel grid (batch, ctx):", gpu_check.grid(gpu_check.DEFAULT_MAX_KV_GIB))
+    if args.dry_run:
+        return 0
+    if not gpu_check.has_gpu():
+        print("gpu_bench: no GPU visible to JAX (jax.devices('gpu') is empty); nothing to run. "
+              "Run `make gpu-bench` on a CUDA machine.", file=sys.stderr)
+        return 2
+    import jax
+
+    kernels = gpu_check.run_kernels(plan.kernel_budget_s)
+    bandwidth = kernels["copy_gbps"] * 1e9
+    result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                  plan=dataclasses.asdict(plan), kernels=kernels)
+    try:
+        result["engine"] = run_engine(plan, bandwidth, plan.engine_budget_s)
+    except Exception as e:  # keep the kernel numbers whatever happens to the engine
+        result["engine"] = dict(error=f"{type(e).__name__}: {e}"[:500])
+    for p in write(result, Path(args.out)):
+        print("wrote", p)
+    return 0 if all(c["ok"] for c in kernels["checks"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

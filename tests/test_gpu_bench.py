@@ -1,0 +1,100 @@
+"""make gpu-bench's CPU-side parts: the plan, the engine section on a tiny model, the outputs,
+and that it needs nothing the GPU machine's python lacks (no tokenizer, no checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+
+from experiments import gpu_bench
+
+TINY_MODEL = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True,
+                  eos_token_ids=(299,))
+TINY_ENGINE = dict(block_size=8, num_kv_blocks=65, max_num_seqs=8, max_num_batched_tokens=64,
+                   max_model_len=128, decode_window=4, enable_prefix_caching=False)
+TINY = dict(model=TINY_MODEL, engine=TINY_ENGINE,
+            workload=dict(dataset="sharegpt", requests=6, scale=0.1, seed=0),
+            decode=dict(batch=4, prompt=16, tokens=12))
+
+
+def test_plan_and_no_gpu(capsys):
+    plan = gpu_bench.make_plan(270)
+    text = plan.describe()
+    assert "16 layers" in text and "32/8" in text and "4096 blocks of 16" in text
+    assert plan.kernel_budget_s + plan.engine_budget_s == pytest.approx(270)
+    assert gpu_bench.main(["--dry-run"]) == 0
+    if jax.default_backend() != "gpu":
+        assert gpu_bench.main([]) == 2
+        assert "no GPU" in capsys.readouterr().err
+
+
+def test_llama_1b_shapes():
+    """The benchmark's model has Llama-3.2-1B's parameter count (tied embeddings)."""
+    shapes = jax.eval_shape(lambda: gpu_bench.random_model(gpu_bench.LLAMA_1B)[1])
+    n = sum(x.size for x in jax.tree.leaves(shapes))
+    assert 1.23e9 < n < 1.25e9, n
+
+
+def test_engine_section_and_outputs(tmp_path):
+    plan = gpu_bench.make_plan(120, **TINY)
+    res = gpu_bench.run_engine(plan, bandwidth=20e9, budget_s=600)
+    items = gpu_bench.workload_items(plan)
+    rows = {r["policy"]: r for r in res["policies"]}
+    assert set(rows) == set(gpu_bench.POLICIES)
+    for r in rows.values():  # every policy serves the whole workload, token for token
+        assert r["complete"] and r["finished"] == len(items)
+        assert r["output_tokens"] == sum(w.output_len for w in items)
+    assert rows["paged"]["mean_batch"] >= rows["static"]["mean_batch"]
+    assert res["decode"]["step_ms"] > 0 and res["decode"]["ratio"] > 0
+    kernels = dict(copy_gbps=100.0, checks=[], rows=[
+        dict(name="ours:ragged", batch=1, ctx=512, ms=1.0, gbps=50.0),
+        dict(name="ours:ragged", batch=8, ctx=512, ms=2.0, gbps=80.0)])
+    paths = gpu_bench.write(dict(kernels=kernels, engine=res), tmp_path)
+    assert json.loads(paths[0].read_text())["engine"]["policies"][0]["policy"] == "paged"
+    assert (tmp_path / "gpu_bench.png").stat().st_size > 0
+
+
+BLOCKED = ("tokenizers", "tqdm", "gguf", "safetensors", "jinja2", "transformers", "torch",
+           "matplotlib", "hypothesis")
+
+
+def test_runs_with_only_jax_numpy_and_jaxtyping(tmp_path):
+    """The GPU machine's python has jax, numpy and jaxtyping but none of these."""
+    code = textwrap.dedent(f"""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in {BLOCKED!r}:
+                    raise ImportError("blocked: " + name)
+        sys.meta_path.insert(0, Block())
+        from experiments import gpu_bench
+        from tests.test_gpu_bench import TINY
+        tiny = dict(TINY, workload=dict(TINY["workload"], requests=2))
+        res = gpu_bench.run_engine(gpu_bench.make_plan(60, **tiny), 20e9, 600)
+        assert all(r["complete"] for r in res["policies"]), res
+        paths = gpu_bench.write(dict(engine=res), __import__("pathlib").Path({str(tmp_path)!r}))
+        assert [p.name for p in paths] == ["gpu_bench.json"]
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_engine_without_tokenizer_names_what_it_needs():
+    from paged_jax.sampling_params import SamplingParams
+
+    eng = gpu_bench.engine_for(*gpu_bench.random_model(TINY_MODEL), TINY_ENGINE, "paged")
+    with pytest.raises(ValueError, match="no tokenizer"):
+        eng.add_request("a", "some text")
+    with pytest.raises(ValueError, match="detokenize=True needs a tokenizer"):
+        eng.add_request("b", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2))
+    eng.add_request("c", {"prompt_token_ids": [1, 2]},
+                    SamplingParams(max_tokens=2, detokenize=False))
+    assert eng.has_unfinished()
