@@ -70,7 +70,8 @@ gpu-check:
 gpu-bench:
 	@if command -v nvidia-smi >/dev/null 2>&1 && ! python3 -c "import jax, sys; \
 	  sys.exit(not jax.devices('gpu'))" 2>/dev/null; then \
-	  python3 -m pip install -q "jax[cuda12]" jaxtyping numpy; fi
+	  python3 -m pip install -q "jax[cuda12]" jaxtyping numpy || \
+	  echo "gpu-bench: could not pip install jax[cuda12]; install it for python3, then rerun"; fi
 	PYTHONPATH=$(CURDIR) python3 -m experiments.gpu_bench
 
 clean:

@@ -35,7 +35,7 @@ ENGINE = dict(block_size=16, num_kv_blocks=4097, max_num_seqs=128, max_num_batch
               max_model_len=2048, decode_window=16, enable_prefix_caching=False)
 WORKLOAD = dict(dataset="sharegpt", requests=96, scale=0.5, seed=0)
 POLICIES = ("paged", "orca-max", "static")
-DECODE = dict(batch=64, prompt=512, tokens=48)  # the decode-step roofline point
+DECODE = dict(batch=64, prompt=512, tokens=128)  # the decode-step roofline point
 
 
 @dataclasses.dataclass
@@ -150,18 +150,18 @@ def decode_roofline(config, params, plan: Plan, bandwidth: float, deadline: floa
     from paged_jax.sampling_params import SamplingParams
 
     d = plan.decode
-    eng = engine_for(config, params, plan.engine, "paged")
     sp = SamplingParams(temperature=0.0, max_tokens=d["tokens"], ignore_eos=True,
                         detokenize=False)
-    for i in range(d["batch"]):
-        eng.add_request(f"d{i}", {"prompt_token_ids": [1 + (i + j) % 250 for j in
-                                                       range(d["prompt"])]}, sp)
-    while eng.has_unfinished() and time.perf_counter() < deadline:
-        eng.step()
+    for _ in range(2):  # the first pass compiles every program the second one runs
+        eng = engine_for(config, params, plan.engine, "paged")
+        for i in range(d["batch"]):
+            ids = [1 + (i + j) % 250 for j in range(d["prompt"])]
+            eng.add_request(f"d{i}", {"prompt_token_ids": ids}, sp)
+        while eng.has_unfinished() and time.perf_counter() < deadline:
+            eng.step()
     full = [s for s in eng.stats if s.kind == "window" and s.running == d["batch"]]
-    full = full[1:] or full  # the first window of a shape compiles
-    if not full:
-        return dict(error="no full decode window ran before the deadline")
+    if not full or eng.has_unfinished():
+        return dict(error="the measured pass did not finish before the deadline")
     step = sum(s.duration for s in full) / sum(s.num_steps for s in full)
     ctx = d["prompt"] + d["tokens"] / 2
     moved = weight_bytes(params) + d["batch"] * ctx * kv_bytes_per_token(
@@ -185,8 +185,11 @@ def run_engine(plan: Plan, bandwidth: float, budget_s: float, backend: str | Non
     per = budget_s / (len(plan.policies) + 1)
     rows = []
     for i, policy in enumerate(plan.policies):
+        # A first pass compiles the policy's shapes (in-process jit cache); the second is timed.
+        deadline = t0 + per * (i + 1)
+        serve(engine_for(config, params, plan.engine, policy, backend), items, deadline)
         eng = engine_for(config, params, plan.engine, policy, backend)
-        rows.append(dict(policy=policy, **serve(eng, items, t0 + per * (i + 1))))
+        rows.append(dict(policy=policy, **serve(eng, items, deadline)))
         print(f"engine {policy:9} {rows[-1]}", flush=True)
     roof = decode_roofline(config, params, plan, bandwidth, t0 + budget_s)
     print(f"decode roofline {roof}", flush=True)
@@ -251,7 +254,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import jax
 
-    kernels = gpu_check.run_kernels(plan.kernel_budget_s)
+    try:
+        kernels = gpu_check.run_kernels(plan.kernel_budget_s)
+    except Exception as e:  # the engine section still runs, at a nominal bandwidth
+        kernels = dict(copy_gbps=gpu_check.copy_bandwidth(5), checks=[], rows=[],
+                       error=f"{type(e).__name__}: {e}"[:500])
     bandwidth = kernels["copy_gbps"] * 1e9
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                   plan=dataclasses.asdict(plan), kernels=kernels)
@@ -261,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         result["engine"] = dict(error=f"{type(e).__name__}: {e}"[:500])
     for p in write(result, Path(args.out)):
         print("wrote", p)
-    return 0 if all(c["ok"] for c in kernels["checks"]) else 1
+    ok = kernels["checks"] and all(c["ok"] for c in kernels["checks"])
+    return 0 if ok and "error" not in result["engine"] else 1
 
 
 if __name__ == "__main__":

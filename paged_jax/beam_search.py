@@ -100,8 +100,8 @@ def _regroup(engine: Engine, chosen: list[_Beam], live: list[Sequence]) -> list[
         children = [Sequence(0, list(parent.tokens), parent.prompt_len, owner=parent.owner)
                     for _ in group[1:]]
         if children:
+            live += children  # first: released in beam_search's finally even if fork fails
             engine.fork(parent, children)
-            live += children
         for b, seq in zip(group, [parent, *children], strict=True):
             seq.tokens.append(b.tokens[-1])
             out.append(dataclasses.replace(b, seq=seq))

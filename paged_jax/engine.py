@@ -193,6 +193,7 @@ class Engine:
             self.state, out = run_step(self.params, self.state, batch, cfg=self.step_cfg,
                                        shape=dataclasses.replace(shape, flags=flags))
             out = _to_host(out)
+            self._watch_programs()
             self.kv.after_step(int(out.num_free), [])
             if not out.ok:
                 raise RuntimeError("the KV cache cannot hold these sequences")
@@ -206,7 +207,11 @@ class Engine:
         return [top[id(s)] for s in seqs]
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
-        """Children share all of `parent`'s blocks (copy-on-write); each gets its own slot."""
+        """Children share all of `parent`'s blocks (copy-on-write); each gets its own slot.
+
+        Their device sampling rows are not written (they keep the slot's last user's): fine
+        for `compute`, which samples greedily from raw logits, without bias or penalties.
+        """
         self.kv.fork(parent, children)
 
     def release(self, seqs: list[Sequence]) -> None:
@@ -344,7 +349,7 @@ class Engine:
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             outputs=[s.completion() for s in req.seqs], finished=req.finished,
             metrics=req.metrics, num_cached_tokens=req.num_cached_tokens,
-            prompt_logprobs=req.prompt_logprobs)
+            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs))
 
     def _record(self, t0: float, kind: str, tokens: int, steps: int, preempted: int) -> None:
         self.stats.append(StepStats(

@@ -1,0 +1,140 @@
+"""KV-cache quantization: what an int8 / fp8 block holds, and how it is read back.
+
+vLLM calls the choice `kv_cache_dtype`. Quantization shrinks what a block holds; paging
+decides where blocks go: the two are orthogonal. A quantized value is stored with a float32
+scale, x ~= q * scale, with one scale per
+
+    token and KV head ("token"): a [D] row, written with its token (a scatter, like the
+        values); the scale follows each row's own range. Costs 4 bytes per D values.
+    block and KV head ("block"): a [K, D] tile; the scale must cover every token the block
+        will ever hold, but tokens arrive one at a time, so a later, larger token forces the
+        whole block to be re-quantized (a read-modify-write of the tile on every write).
+
+`measure_granularity` compares the two on real K/V (experiments/kv_quantization.py prints
+it): per-token scales are more accurate, and they are the only ones a decode step can write
+without touching the rest of its block, hence the choice.
+
+    dtype      bytes/value   range (qmax)   rounding
+    int8       1             127            round to nearest, symmetric
+    fp8 (e4m3) 1             448            float8 mantissa (3 bits)
+    fp8_e5m2   1             57344          float8 mantissa (2 bits)
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.types import Array, Float
+
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+_STORAGE = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
+            "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
+            "fp8_e5m2": jnp.float8_e5m2}
+QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0,
+        jnp.dtype(jnp.float8_e5m2): 57344.0}
+SCALE_DTYPE = jnp.float32
+
+
+def storage_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
+    """The dtype K/V pages are stored in ("auto": the model's).
+
+    Raises:
+      ValueError: an unknown name, with the accepted ones.
+    """
+    if kv_cache_dtype == "auto":
+        return jnp.dtype(model_dtype)
+    if kv_cache_dtype not in _STORAGE:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; expected one "
+                         f"of {', '.join(KV_CACHE_DTYPES)}")
+    return jnp.dtype(_STORAGE[kv_cache_dtype])
+
+
+def is_quantized(dtype) -> bool:
+    """Whether pages of `dtype` carry scales (int8, fp8)."""
+    return jnp.dtype(dtype) in QMAX
+
+
+def bytes_per_token_head(dtype, head_dim: int) -> int:
+    """Bytes one token's K (or V) of one KV head takes, its scale included."""
+    dt = jnp.dtype(dtype)
+    return head_dim * dt.itemsize + (jnp.dtype(SCALE_DTYPE).itemsize if is_quantized(dt) else 0)
+
+
+def quantize(x: Float[Array, "... D"], dtype) -> tuple[Array, Float[Array, "..."]]:
+    """(q, scale) with x ~= q * scale[..., None]: one scale per row of the last axis.
+
+    All-zero rows get scale 1 (q = 0), so padding and the zero block stay exact.
+    """
+    dt = jnp.dtype(dtype)
+    qmax = QMAX[dt]
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    y = jnp.clip(x / scale[..., None], -qmax, qmax)  # fp8 casts overflow to NaN, not to max
+    if dt == jnp.dtype(jnp.int8):
+        y = jnp.round(y)
+    return y.astype(dt), scale.astype(SCALE_DTYPE)
+
+
+def dequantize(q: Array, scale: Float[Array, "..."]) -> Float[Array, "... D"]:
+    """float32 values of quantized rows."""
+    return q.astype(jnp.float32) * scale[..., None].astype(jnp.float32)
+
+
+def roundtrip(x: Float[Array, "... D"], dtype, granularity: str = "token") -> Array:
+    """x quantized and read back, with one scale per row ("token") or per [K, D] tile of a
+    [..., K, D] array ("block")."""
+    if granularity == "token":
+        return dequantize(*quantize(x, dtype))
+    if granularity != "block":
+        raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
+    shape = x.shape
+    flat = x.reshape(*shape[:-2], shape[-2] * shape[-1])  # one row per tile
+    return dequantize(*quantize(flat, dtype)).reshape(shape)
+
+
+def measure_granularity(
+    k: np.ndarray, v: np.ndarray, q: np.ndarray, block_size: int, dtypes=("int8", "fp8")
+) -> list[dict]:
+    """Per-token vs per-block scales on real K/V of one sequence and layer.
+
+    Args:
+      k, v: [T, H, D] a sequence's keys and values; q: [T, Q, D] its queries (Q = H * G).
+
+    Returns:
+      rows of dtype, granularity, and the mean relative error of K, of V and of causal
+      attention outputs against the float32 cache.
+    """
+    t, h, d = k.shape
+    pad = -t % block_size
+    rows = []
+    for name in dtypes:
+        dt = storage_dtype(name, jnp.float32)
+        for gran in ("token", "block"):
+            def rt(x, gran=gran, dt=dt):
+                tiles = np.pad(x, ((0, pad), (0, 0), (0, 0)))
+                tiles = tiles.reshape(-1, block_size, h, d).transpose(0, 2, 1, 3)
+                out = np.asarray(roundtrip(jnp.asarray(tiles), dt, gran))
+                return out.transpose(0, 2, 1, 3).reshape(-1, h, d)[:t]
+
+            kq, vq = rt(k), rt(v)
+            exact = _attention(q, k, v)
+            err = np.abs(_attention(q, kq, vq) - exact)
+            rows.append(dict(dtype=name, granularity=gran,
+                             k_rel_err=float(np.abs(kq - k).mean() / np.abs(k).mean()),
+                             v_rel_err=float(np.abs(vq - v).mean() / np.abs(v).mean()),
+                             attn_rel_err=float(err.mean() / np.abs(exact).mean())))
+    return rows
+
+
+def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Causal softmax attention of one sequence, grouped heads, float64 (a reference)."""
+    t, nq, d = q.shape
+    g = nq // k.shape[1]
+    kk, vv = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    s = np.einsum("tqd,sqd->qts", q.astype(np.float64), kk) / np.sqrt(d)
+    s = np.where(np.tril(np.ones((t, t), bool))[None], s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    return np.einsum("qts,sqd->tqd", w, vv)

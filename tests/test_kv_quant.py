@@ -1,0 +1,73 @@
+"""KV quantization primitives: dtype names, error bounds of int8 / fp8 rows, bytes per block."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from paged_jax import kv_quant as kq
+
+
+def test_dtype_names():
+    assert kq.storage_dtype("auto", jnp.bfloat16) == jnp.dtype(jnp.bfloat16)
+    assert kq.storage_dtype("fp8", jnp.float32) == jnp.dtype(jnp.float8_e4m3fn)
+    assert kq.is_quantized(kq.storage_dtype("int8", jnp.float32))
+    assert not kq.is_quantized(kq.storage_dtype("bfloat16", jnp.float32))
+    with pytest.raises(ValueError, match="kv_cache_dtype='int3' is not supported; expected"):
+        kq.storage_dtype("int3", jnp.float32)
+
+
+def test_quantized_blocks_hold_over_3_5x_an_fp32_block():
+    fp32 = kq.bytes_per_token_head(jnp.float32, 64)
+    for name in ("int8", "fp8", "fp8_e5m2"):
+        assert fp32 / kq.bytes_per_token_head(kq.storage_dtype(name, jnp.float32), 64) >= 3.5
+    assert fp32 / kq.bytes_per_token_head(jnp.bfloat16, 64) == 2
+
+
+rows = arrays(np.float32, st.tuples(st.integers(1, 6), st.integers(1, 40)),
+              elements=st.floats(-1e4, 1e4, width=32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=rows, name=st.sampled_from(["int8", "fp8", "fp8_e5m2"]))
+def test_roundtrip_error_is_bounded_per_row(x, name):
+    dt = kq.storage_dtype(name, jnp.float32)
+    q, scale = kq.quantize(jnp.asarray(x), dt)
+    back = np.asarray(kq.dequantize(q, scale))
+    amax = np.abs(x).max(-1, keepdims=True)
+    assert np.all(np.isfinite(back))
+    # int8: half a step of amax / 127; fp8: the mantissa's relative step, or the subnormal
+    # step below the smallest normal, of amax / qmax.
+    mant = {"int8": None, "fp8": 2.0**-4, "fp8_e5m2": 2.0**-3}[name]
+    bound = (amax / 127 / 2 if mant is None
+             else np.abs(x) * mant + amax / kq.QMAX[jnp.dtype(dt)] * 2.0**-6)
+    assert np.all(np.abs(back - x) <= bound * 1.001 + 1e-6)
+    zero = np.asarray(kq.dequantize(*kq.quantize(jnp.zeros((2, 8)), dt)))
+    assert not zero.any()
+
+
+def test_per_token_scales_beat_per_block_scales_on_uneven_tokens():
+    rng = np.random.default_rng(0)
+    t, h, d = 64, 2, 32
+    mags = np.exp(rng.normal(0, 1.0, (t, 1, 1)))  # token norms vary, as real K/V do
+    k = (rng.standard_normal((t, h, d)) * mags).astype(np.float32)
+    v = (rng.standard_normal((t, h, d)) * mags).astype(np.float32)
+    rows = {(r["dtype"], r["granularity"]): r
+            for r in kq.measure_granularity(k, v, np.repeat(k, 2, axis=1), 16)}
+    for name in ("int8", "fp8"):
+        tok, blk = rows[(name, "token")], rows[(name, "block")]
+        assert tok["k_rel_err"] < blk["k_rel_err"] and tok["attn_rel_err"] <= blk["attn_rel_err"]
+
+
+@pytest.mark.slow
+def test_granularity_experiment_on_smollm2():
+    from experiments import kv_quantization
+
+    rows = kv_quantization.main(tokens=64, name="kv_quantization_test")["granularity"]
+    assert {(r["dtype"], r["granularity"]) for r in rows} == {
+        (d, g) for d in ("int8", "fp8") for g in ("token", "block")}
+    by = {(r["dtype"], r["granularity"]): r for r in rows}
+    assert 0 < by[("int8", "token")]["attn_rel_err"] < 0.05
+    assert by[("int8", "token")]["k_rel_err"] < by[("int8", "block")]["k_rel_err"]
