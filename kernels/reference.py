@@ -17,7 +17,24 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, Shaped
+
+Pages = Float[Array, "H N K D"] | tuple[Shaped[Array, "H N K D"], Float[Array, "H N K"]]
+"""One layer's K (or V) pages: float values, or quantized values and their per-token scales
+(x = q * scale), read back in float32 only after the gather, so a step dequantizes what it
+reads, not the pool."""
+
+
+def _shape(pages: Pages) -> tuple[int, ...]:
+    return (pages[0] if isinstance(pages, tuple) else pages).shape
+
+
+def _take(pages: Pages, idx) -> Array:
+    """pages[:, idx] in float32 ([H, *idx.shape, K, D]), dequantized if need be."""
+    if isinstance(pages, tuple):
+        vals, scale = pages
+        return vals[:, idx].astype(jnp.float32) * scale[:, idx][..., None]
+    return pages[:, idx].astype(jnp.float32)
 
 
 def _cdiv(a, b):
@@ -50,8 +67,8 @@ def split_reference(q, k_pages, v_pages, block_tables, seq_lens, query_start, ma
 
 def flat_decode_reference(
     q: Float[Array, "T Q D"],
-    k_pages: Float[Array, "H N K D"],
-    v_pages: Float[Array, "H N K D"],
+    k_pages: Pages,
+    v_pages: Pages,
     block_tables: Int[Array, "S P"],
     seq_lens: Int[Array, "S"],
     query_start: Int[Array, "S+1"],
@@ -73,7 +90,7 @@ def flat_decode_reference(
     sum of every row's pages (the engine computes it from the live lengths).
     """
     t, nq, d = q.shape
-    h, _, kb, _ = k_pages.shape
+    h, _, kb, _ = _shape(k_pages)
     s, p = block_tables.shape
     start = query_start[:-1]
     has_q = query_start[1:] > start
@@ -87,7 +104,7 @@ def flat_decode_reference(
     page = jnp.where(row < s, block_tables[r, jnp.clip(idx, 0, p - 1)], 0)
     valid = (row < s)[:, None] & (idx[:, None] * kb + jnp.arange(kb) < lens[r][:, None])
     qr = q[jnp.clip(start, 0, t - 1)].reshape(s, h, nq // h, d)
-    keys = k_pages[:, page].astype(jnp.float32)  # [H, NP, K, D]
+    keys = _take(k_pages, page)  # [H, NP, K, D]
     scores = jnp.einsum("phgd,hpkd->phgk", qr[r].astype(jnp.float32), keys) * scale
     scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
     mx = jax.ops.segment_max(scores.max(-1), row, num_segments=s + 1)  # [S + 1, H, G]
@@ -95,7 +112,7 @@ def flat_decode_reference(
     total = jax.ops.segment_sum(w.sum(-1), row, num_segments=s + 1)[:s]
     # 0 * NaN is NaN: key positions past a row's end (stale or freed blocks) are zeroed, not
     # weighted.
-    vals = jnp.where(valid[None, :, :, None], v_pages[:, page].astype(jnp.float32), 0.0)
+    vals = jnp.where(valid[None, :, :, None], _take(v_pages, page), 0.0)
     out = jax.ops.segment_sum(jnp.einsum("phgk,hpkd->phgd", w, vals), row, num_segments=s + 1)
     out = (out[:s] / jnp.maximum(total, 1e-30)[..., None]).reshape(s, nq, d)
     dest = jnp.where(has_q, start, t)
@@ -104,8 +121,8 @@ def flat_decode_reference(
 
 def tiled_reference(
     q: Float[Array, "T Q D"],
-    k_pages: Float[Array, "H N K D"],
-    v_pages: Float[Array, "H N K D"],
+    k_pages: Pages,
+    v_pages: Pages,
     block_tables: Int[Array, "S P"],
     seq_lens: Int[Array, "S"],
     query_start: Int[Array, "S+1"],
@@ -136,8 +153,8 @@ def tiled_reference(
 
 def ragged_reference(
     q: Float[Array, "T Q D"],
-    k_pages: Float[Array, "H N K D"],
-    v_pages: Float[Array, "H N K D"],
+    k_pages: Pages,
+    v_pages: Pages,
     block_tables: Int[Array, "S P"],
     seq_lens: Int[Array, "S"],
     query_start: Int[Array, "S+1"],
@@ -155,8 +172,8 @@ def ragged_reference(
 
 def _attend(
     q: Float[Array, "T Q D"],
-    k_pages: Float[Array, "H N K D"],
-    v_pages: Float[Array, "H N K D"],
+    k_pages: Pages,
+    v_pages: Pages,
     tables: Int[Array, "R P"],
     kv_lens: Int[Array, "R"],
     *,
@@ -168,12 +185,12 @@ def _attend(
     """Attention of query groups: group r holds the M queries at flat token indices tok[r]
     (positions qpos[r]) and attends to the first kv_lens[r] keys of the pages tables[r]."""
     t, nq, d = q.shape
-    h = k_pages.shape[0]
+    h = _shape(k_pages)[0]
     r, m = tok.shape
     qg = q[jnp.clip(tok, 0, t - 1)].reshape(r, m, h, nq // h, d)
 
-    def gather(pages: Float[Array, "H N K D"]) -> Float[Array, "R X H D"]:
-        x = pages[:, tables]  # [H, R, P, K, D]
+    def gather(pages: Pages) -> Float[Array, "R X H D"]:
+        x = _take(pages, tables)  # [H, R, P, K, D]
         return jnp.moveaxis(x.reshape(h, r, -1, d), 0, 2)
 
     keys, vals = gather(k_pages), gather(v_pages)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from paged_jax import kv_quant
 from paged_jax.sizes import cdiv
 
 
@@ -65,6 +66,9 @@ class EngineConfig:
       max_skips: cache-aware admission passes a request over at most this many times.
       swap_space: bytes of host memory for swapped-out K/V (swap mode); a preemption that
         would exceed it recomputes instead.
+      kv_cache_dtype: how K/V are stored (vLLM's name): "auto" (the model's dtype),
+        "float32", "bfloat16", "int8", "fp8" (e4m3) or "fp8_e5m2"; int8 / fp8 keep a float32
+        scale per token and KV head (paged_jax/kv_quant.py) and run on the reference backend.
     """
 
     block_size: int = 16
@@ -82,8 +86,10 @@ class EngineConfig:
     admission: str = "fcfs"
     max_skips: int = 8
     swap_space: int = 4 << 30
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        kv_quant.storage_dtype(self.kv_cache_dtype, "float32")  # a clear error if unknown
         if self.admission not in ("fcfs", "cache-aware"):
             raise ValueError(f"admission must be 'fcfs' or 'cache-aware', got {self.admission!r}")
         if self.preemption_mode not in ("recompute", "swap"):

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax import batch as batch_lib
-from paged_jax import compile_cache
+from paged_jax import compile_cache, kv_quant
 from paged_jax import engine_input as inp
 from paged_jax import engine_output as io
 from paged_jax import sampling as smp
@@ -62,6 +62,17 @@ def _to_host(out) -> types.SimpleNamespace:
     return spaces(jax.device_get(fields(out)))
 
 
+def _backend(asked: str | None, quantized: bool) -> str:
+    """The attention backend: the platform's default, or "reference" for an int8 / fp8 cache
+    (the only backend that reads one yet)."""
+    if not quantized:
+        return asked or default_backend()
+    if asked not in (None, "reference"):
+        raise ValueError(f"kv_cache_dtype int8 / fp8 runs on attention_backend='reference' "
+                         f"for now, not {asked!r}")
+    return "reference"
+
+
 @dataclasses.dataclass
 class StepStats:
     """One engine step, for experiments."""
@@ -87,13 +98,13 @@ class Engine:
         self.params = prepare_params(params)  # the forward's fast layout, built once
         self.config = ec = engine_config
         cc = ec.cache
+        kv_dtype = kv_quant.storage_dtype(ec.kv_cache_dtype, jax.tree.leaves(params)[0].dtype)
         self.kv = KVManager(cc, config.num_layers, config.num_kv_heads, config.head_dim,
-                            jax.tree.leaves(params)[0].dtype,
-                            prefix_caching=ec.enable_prefix_caching,
+                            kv_dtype, prefix_caching=ec.enable_prefix_caching,
                             swap=ec.preemption_mode == "swap", swap_space=ec.swap_space)
         self.sampling = jax.device_put(smp.init_sampling_state(cc.max_seqs, config.vocab_size),
                                        jax.devices()[0])
-        self.step_cfg = StepConfig(config, ec.backend or default_backend())
+        self.step_cfg = StepConfig(config, _backend(ec.backend, kv_quant.is_quantized(kv_dtype)))
         self.scheduler = Scheduler(
             SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.block_size,
                             ec.admission, ec.max_skips, ec.decode_window),

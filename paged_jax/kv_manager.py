@@ -34,7 +34,7 @@ from paged_jax.config import CacheConfig
 from paged_jax.prefix_cache import Hit, PrefixCache
 from paged_jax.sequence import Sequence
 from paged_jax.sizes import cdiv, next_pow2
-from paged_jax.types import Array, Bool, Float, Int
+from paged_jax.types import Array, Bool, Int
 
 _mark = jax.jit(pool_lib.mark_cached, donate_argnums=(0,))
 _evict = jax.jit(pool_lib.evict, donate_argnums=(0,))
@@ -61,14 +61,14 @@ def _ids(ids: list[int]) -> jax.Array:
 @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
 def _restore(
     pool: pool_lib.BlockPool, table: pt.PageTable, cache: kv_lib.KVCache,
-    slot: Int[Array, ""], n_tokens: Int[Array, ""],
-    k: Float[Array, "L H P K D"], v: Float[Array, "L H P K D"],
+    slot: Int[Array, ""], n_tokens: Int[Array, ""], *parts: Array,
 ) -> tuple[pool_lib.BlockPool, pt.PageTable, kv_lib.KVCache, Bool[Array, ""]]:
-    """Swap-in on the device: the slot gets fresh blocks for its tokens, K/V written back."""
+    """Swap-in on the device: the slot gets fresh blocks for its tokens, and `parts` (K, V
+    [L, H, P, K, D], and scales [L, H, P, K] for a quantized cache) are written back."""
     num_new = jnp.zeros_like(table.seq_lens).at[slot].set(n_tokens)
     table = pt.add_sequence(table, slot)
     pool, table, _, ok = pt.reserve_tokens(pool, table, num_new)
-    return pool, table, kv_lib.write_blocks(cache, table.block_tables[slot], k, v), ok
+    return pool, table, kv_lib.write_blocks(cache, table.block_tables[slot], *parts), ok
 
 
 class KVManager:
@@ -88,8 +88,8 @@ class KVManager:
                  swap_space: int = 4 << 30):
         self.config, self.swap, self.swap_space = cc, swap, swap_space
         self.swapped_bytes = 0
-        self._block_bytes = 2 * num_layers * num_kv_heads * cc.block_size * head_dim * \
-            np.dtype(dtype).itemsize
+        self._block_bytes = kv_lib.kv_cache_bytes(num_layers, num_kv_heads, cc.block_size,
+                                                  head_dim, dtype)
         # Committed to the device now: jit keys on placement, so uncommitted initial arrays
         # would make the second step compile everything again.
         self.pool, self.table, self.cache = jax.device_put(
@@ -268,21 +268,22 @@ class KVManager:
         return self.free_total()
 
     # ---- swap space ----------------------------------------------------------------------
-    def _swap_out(self, seq: Sequence) -> tuple[np.ndarray, np.ndarray]:
+    def _swap_out(self, seq: Sequence) -> tuple[np.ndarray, ...]:
+        """Host copies of the sequence's blocks: K, V (and their scales when quantized)."""
         held = cdiv(seq.num_computed, self.config.block_size)
         blocks = np.asarray(self.table.block_tables[seq.slot])[:held]
-        k, v = kv_lib.read_blocks(self.cache, jnp.asarray(blocks))
-        return np.asarray(k), np.asarray(v)
+        return tuple(np.asarray(x) for x in kv_lib.read_blocks(self.cache, jnp.asarray(blocks)))
 
     def _swap_in(self, seq: Sequence) -> None:
-        k, v = seq.swapped
-        pad = [(0, 0), (0, 0), (0, self.config.max_blocks_per_seq - k.shape[2]), (0, 0), (0, 0)]
+        parts = seq.swapped
+        grow = self.config.max_blocks_per_seq - parts[0].shape[2]
+        padded = [jnp.asarray(np.pad(x, [(0, 0), (0, 0), (0, grow)] + [(0, 0)] * (x.ndim - 3)))
+                  for x in parts]
         self.pool, self.table, self.cache, ok = _restore(
             self.pool, self.table, self.cache, jnp.asarray(seq.slot),
-            jnp.asarray(seq.num_computed), jnp.asarray(np.pad(k, pad)),
-            jnp.asarray(np.pad(v, pad)))
+            jnp.asarray(seq.num_computed), *padded)
         if not ok:  # the scheduler counted the restore (blocks_needed): a planning bug
             raise RuntimeError(f"swap-in of slot {seq.slot} found too few free blocks")
         self.num_free = int(self.pool.num_free)
-        self.swapped_bytes -= k.nbytes + v.nbytes
+        self.swapped_bytes -= sum(x.nbytes for x in parts)
         seq.swapped = None

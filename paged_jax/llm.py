@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from tqdm.auto import tqdm
 from tqdm.std import tqdm as std_tqdm
 
+from paged_jax import kv_quant
 from paged_jax.beam_search import beam_search
 from paged_jax.engine import Engine, EngineConfig
 from paged_jax.kv_cache import kv_cache_bytes
@@ -87,7 +88,7 @@ class LLM:
       max_num_batched_tokens: token budget per step.
       max_model_len: longest prompt + output; default min(model's, 2048).
       dtype: "auto" (float32 on CPU, bfloat16 on GPU: `resolve_dtype`), "float32" or
-        "bfloat16" (weights, activations and KV cache).
+        "bfloat16" (weights, activations and, unless kv_cache_dtype says otherwise, KV).
       seed: engine seed for requests without their own.
       preemption_mode: "recompute" or "swap".
       decode_window: decode steps per device call when only decodes run.
@@ -101,6 +102,10 @@ class LLM:
       gpu_memory_utilization: share of the accelerator's memory for weights plus the KV pool;
         sizes the pool when num_kv_blocks is None (needs a device that reports its memory:
         on CPU pass kv_cache_memory).
+      kv_cache_dtype: "auto" (= dtype), "float32", "bfloat16", "int8", "fp8" (e4m3) or
+        "fp8_e5m2": int8 / fp8 hold about 4x the blocks of float32 in the same memory (a
+        float32 scale per token and KV head included) and use the reference attention
+        backend for now.
       model_parts: (config, params, tokenizer) to use instead of loading `model`.
     """
 
@@ -112,11 +117,12 @@ class LLM:
         attention_backend: str | None = None, max_logprobs: int = 20, model_parts=None,
         enable_prefix_caching: bool = True, tokenizer: str | None = None,
         swap_space: float = 4, gpu_memory_utilization: float | None = None,
-        **unsupported,
+        kv_cache_dtype: str = "auto", **unsupported,
     ):
         if unsupported:
             raise TypeError(f"LLM() got unsupported arguments: {sorted(unsupported)}")
         dtype = resolve_dtype(dtype)
+        kv_dtype = kv_quant.storage_dtype(kv_cache_dtype, DTYPES[dtype])  # fails before loading
         t0 = time.perf_counter()
         config, params, tok = model_parts or load_model(model, DTYPES[dtype])
         if tokenizer is not None:
@@ -130,14 +136,15 @@ class LLM:
                              f"max_position_embeddings={config.max_position_embeddings}")
         if num_kv_blocks is None:
             per_block = kv_cache_bytes(config.num_layers, config.num_kv_heads, block_size,
-                                       config.head_dim, DTYPES[dtype])
+                                       config.head_dim, kv_dtype)
             num_kv_blocks = max(2, kv_cache_memory // per_block)
         self.engine_config = EngineConfig(
             block_size=block_size, num_kv_blocks=int(num_kv_blocks), max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             preemption_mode=preemption_mode, decode_window=decode_window,
             backend=attention_backend, max_logprobs=max_logprobs, seed=seed,
-            enable_prefix_caching=enable_prefix_caching, swap_space=int(swap_space * (1 << 30)))
+            enable_prefix_caching=enable_prefix_caching, swap_space=int(swap_space * (1 << 30)),
+            kv_cache_dtype=kv_cache_dtype)
         self.llm_engine = Engine(config, params, tok, self.engine_config)
         self._counter = 0
 

@@ -16,9 +16,9 @@ pool (block * K + offset) is its *cache position*, the values of `cache_position
 Shapes are written in annotations as strings, e.g. ``Int[Array, "S P"]``.
 """
 
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, Shaped
 
-__all__ = ["Array", "Bool", "Float", "Int"]
+__all__ = ["Array", "Bool", "Float", "Int", "Shaped"]
 
 NULL_BLOCK = 0
 """Block 0 is the zero block: never allocated or freed; padding table entries point at it."""

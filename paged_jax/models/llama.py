@@ -127,12 +127,13 @@ def prepare_params(params: Params) -> Params:
 
 
 def attention_block(
-    p: Params, x: Float[Array, "T E"], kv: tuple[Array, Array], batch: tuple,
+    p: Params, x: Float[Array, "T E"], kv: tuple[Array, ...], batch: tuple,
     rot: tuple[Array, Array], config: ModelConfig, attn: dict,
-) -> tuple[Float[Array, "T E"], tuple[Array, Array]]:
+) -> tuple[Float[Array, "T E"], tuple[Array, ...]]:
     """Self-attention of one layer: project, RoPE, write K/V to the pages, paged attention.
 
-    `kv` is this layer's (k_pages, v_pages) [H, N, K, D]; `rot` the (cos, sin) of
+    `kv` is this layer's (k_pages, v_pages) [H, N, K, D], plus (k_scale, v_scale) [H, N, K]
+    for an int8 / fp8 cache (KVCache.layer); `rot` the (cos, sin) of
     `rope_tables`; `attn` the static keyword arguments of `paged_attention` (max_q, backend,
     max_q_rows, decode_pages).
     """
@@ -146,8 +147,10 @@ def attention_block(
     k = qkv[:, nq:nq + nk].reshape(t, config.num_kv_heads, d)
     v = qkv[:, nq + nk:].reshape(t, config.num_kv_heads, d)
     q, k = rope(q, *rot), rope(k, *rot)
-    kv = kv_lib.write_layer(*kv, cache_pos, k, v)
-    o = paged_attention(q, *kv, block_tables, seq_lens, query_start, **attn)
+    kv = kv_lib.write_layer(kv[0], kv[1], cache_pos, k, v, *kv[2:])
+    # A quantized layer (k, v, k_scale, v_scale) is attended as (values, scales) pairs.
+    pages = (kv[0], kv[1]) if len(kv) == 2 else ((kv[0], kv[2]), (kv[1], kv[3]))
+    o = paged_attention(q, *pages, block_tables, seq_lens, query_start, **attn)
     o = o.reshape(t, -1).astype(x.dtype) @ p["wo"]
     return (o + p["bo"] if "bo" in p else o), kv
 
@@ -160,9 +163,9 @@ def mlp_block(p: Params, x: Float[Array, "T E"]) -> Float[Array, "T E"]:
 
 @functools.partial(jax.jit, static_argnames=("config", "attn"))
 def decoder_layer(
-    p: Params, x: Float[Array, "T E"], kv: tuple[Array, Array], batch: tuple,
+    p: Params, x: Float[Array, "T E"], kv: tuple[Array, ...], batch: tuple,
     rot: tuple[Array, Array], *, config: ModelConfig, attn: tuple,
-) -> tuple[Float[Array, "T E"], tuple[Array, Array]]:
+) -> tuple[Float[Array, "T E"], tuple[Array, ...]]:
     """One pre-norm decoder layer. Jitted on its own so that a forward traces it once, not
     once per layer: inside the step's program it is a call XLA inlines (the compiled code is
     that of the unrolled loop), while tracing and lowering a 30-layer step cost one layer."""
@@ -215,11 +218,11 @@ def forward(
     eps = config.rms_norm_eps
     attn = (("max_q", max_q), ("backend", backend), ("max_q_rows", max_q_rows),
             ("decode_pages", decode_pages))
-    ks, vs = list(cache.k), list(cache.v)
+    layers = []
     for i, p in enumerate(runtime_layers(params)):
-        x, (ks[i], vs[i]) = decoder_layer(p, x, (ks[i], vs[i]), batch, rot, config=config,
-                                          attn=attn)
-    cache = KVCache(tuple(ks), tuple(vs))
+        x, kv = decoder_layer(p, x, cache.layer(i), batch, rot, config=config, attn=attn)
+        layers.append(kv)
+    cache = KVCache.of_layers(layers)
     if not all_logits:
         x = x[jnp.clip(query_start[1:] - 1, 0)]
     x = rms_norm(x, params["final_norm"], eps)

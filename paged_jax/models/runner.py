@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax import kv_quant
 from paged_jax import page_table as pt
 from paged_jax import pool as pool_lib
 from paged_jax.config import CacheConfig
@@ -36,6 +37,7 @@ class Runner:
     cache_cfg: CacheConfig
     backend: str = "reference"
     shuffle_seed: int | None = None  # permute the free list: blocks handed out in random order
+    kv_dtype: str = "auto"  # the cache's kv_cache_dtype (kv_quant.py): "auto" = the params'
 
     def __post_init__(self) -> None:
         c, m = self.cache_cfg, self.config
@@ -48,7 +50,7 @@ class Runner:
         self.table = pt.init_page_table(c)
         for s in range(c.max_seqs):
             self.table = pt.add_sequence(self.table, s)
-        dtype = self.params["embed"].dtype
+        dtype = kv_quant.storage_dtype(self.kv_dtype, self.params["embed"].dtype)
         self.cache: KVCache = init_kv_cache(
             m.num_layers, m.num_kv_heads, c.num_blocks, c.block_size, m.head_dim, dtype
         )
