@@ -17,14 +17,18 @@
 //         scores over the page's tokens <= position; running max m, sum l, acc += w * v
 //     out <- acc / l
 //
-// Loads of f32 and bf16 are supported (compute is f32); out has q's dtype.
+// q and out: f32 or bf16. K/V pages: f32 or bf16 (PagedAttention), or int8 / fp8 (e4m3fn,
+// e5m2) with one f32 scale per token and KV head (PagedAttentionQuant: x = q * scale).
+// Each page is decoded to f32 once per task before its dots; compute is f32.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -44,6 +48,48 @@ inline float to_f32(uint16_t x) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+inline float to_f32(int8_t x) { return static_cast<float>(x); }
+
+// fp8 bytes, told apart by type; decoded through 256-entry tables built at load.
+struct E4M3 { uint8_t bits; };
+struct E5M2 { uint8_t bits; };
+
+// (1 + m / 2^mbits) * 2^(e - bias), subnormals at e = 0; e4m3fn has no infinities (0x7F and
+// 0xFF are NaN), e5m2 is IEEE-like (e = 31: inf / NaN).
+std::array<float, 256> fp8_table(int mbits, int bias, bool ieee_top) {
+  std::array<float, 256> t{};
+  const int top = (1 << (7 - mbits)) - 1;
+  for (int b = 0; b < 256; ++b) {
+    const int sign = b >> 7, e = (b >> mbits) & top, m = b & ((1 << mbits) - 1);
+    float x;
+    if (e == 0) x = std::ldexp(static_cast<float>(m) / (1 << mbits), 1 - bias);
+    else if (ieee_top && e == top) x = m ? NAN : INFINITY;
+    else if (!ieee_top && e == top && m == (1 << mbits) - 1) x = NAN;
+    else x = std::ldexp(1.0f + static_cast<float>(m) / (1 << mbits), e - bias);
+    t[b] = sign ? -x : x;
+  }
+  return t;
+}
+const std::array<float, 256> kE4M3 = fp8_table(3, 7, false);
+const std::array<float, 256> kE5M2 = fp8_table(2, 15, true);
+inline float to_f32(E4M3 x) { return kE4M3[x.bits]; }
+inline float to_f32(E5M2 x) { return kE5M2[x.bits]; }
+
+// One [K, D] page as f32 rows, scaled per token when `scale` is given; f32 pages are used in
+// place.
+template <typename KT>
+const float* page_f32(const KT* src, const float* scale, float* dst, int64_t K, int64_t D) {
+  if constexpr (std::is_same_v<KT, float>) {
+    return src;
+  } else {
+    for (int64_t t = 0; t < K; ++t) {
+      const float f = scale ? scale[t] : 1.0f;
+      for (int64_t d = 0; d < D; ++d) dst[t * D + d] = to_f32(src[t * D + d]) * f;
+    }
+    return dst;
+  }
+}
+
 inline void from_f32(float x, float* out) { *out = x; }
 inline void from_f32(float x, uint16_t* out) {  // round to nearest even
   uint32_t bits;
@@ -62,20 +108,28 @@ struct Problem {
   float scale;
 };
 
-template <typename T>
-void attend(const Problem& pb, const T* q, const T* k, const T* v, T* out, int64_t s,
-            int64_t h, std::vector<float>& work) {
+// Per-token scales of the quantized pages ([H, N, K]); null for float pages.
+struct Scales {
+  const float* k = nullptr;
+  const float* v = nullptr;
+};
+
+template <typename T, typename KT>
+void attend(const Problem& pb, const T* q, const KT* k, const KT* v, Scales scales, T* out,
+            int64_t s, int64_t h, std::vector<float>& work) {
   const int64_t q0 = pb.query_start[s], nq = pb.query_start[s + 1] - q0;
   const int64_t len = std::min<int64_t>(pb.seq_lens[s], pb.pages_per_row * pb.block_size);
   if (nq <= 0 || len <= 0 || q0 < 0 || q0 + nq > pb.num_tokens) return;
   const int64_t G = pb.num_q_heads / pb.num_kv_heads, D = pb.head_dim, K = pb.block_size;
   const int64_t n = nq * G;  // query vectors of this task
-  work.assign(n * D * 2 + n * 2 + K, 0.0f);
+  work.assign(n * D * 2 + n * 2 + K + 2 * K * D, 0.0f);
   float* qv = work.data();      // [n, D] scaled queries
   float* acc = qv + n * D;      // [n, D] running sum of w * v
   float* m = acc + n * D;       // [n] running max
   float* l = m + n;             // [n] running sum of w
   float* sc = l + n;            // [K] one page's scores
+  float* kpage = sc + K;        // [K, D] the page's keys in f32
+  float* vpage = kpage + K * D; // [K, D] its values
   std::fill(m, m + n, kNoScore);
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t g = 0; g < G; ++g) {
@@ -87,8 +141,9 @@ void attend(const Problem& pb, const T* q, const T* k, const T* v, T* out, int64
   for (int64_t p = 0; p < pages; ++p) {
     int64_t block = pb.block_tables[s * pb.pages_per_row + p];
     block = std::clamp<int64_t>(block, 0, pb.num_blocks - 1);  // a bad table cannot read out
-    const T* kb = k + (h * pb.num_blocks + block) * K * D;
-    const T* vb = v + (h * pb.num_blocks + block) * K * D;
+    const int64_t base = (h * pb.num_blocks + block) * K;  // first token of the page
+    const float* kb = page_f32(k + base * D, scales.k ? scales.k + base : nullptr, kpage, K, D);
+    const float* vb = page_f32(v + base * D, scales.v ? scales.v + base : nullptr, vpage, K, D);
     const int64_t tok0 = p * K;
     for (int64_t i = std::max<int64_t>(0, tok0 - first_pos); i < nq; ++i) {
       const int64_t nt = std::min(K, first_pos + i - tok0 + 1);  // tokens <= position
@@ -97,10 +152,10 @@ void attend(const Problem& pb, const T* q, const T* k, const T* v, T* out, int64
         const float* qr = qv + r * D;
         float mx = m[r];
         for (int64_t t = 0; t < nt; ++t) {
-          const T* kr = kb + t * D;
+          const float* kr = kb + t * D;
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qr[d] * to_f32(kr[d]);
+          for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
           sc[t] = dot;
           mx = std::max(mx, dot);
         }
@@ -116,9 +171,9 @@ void attend(const Problem& pb, const T* q, const T* k, const T* v, T* out, int64
         for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
         for (int64_t t = 0; t < nt; ++t) {
           const float w = sc[t];
-          const T* vr = vb + t * D;
+          const float* vr = vb + t * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ar[d] += w * to_f32(vr[d]);
+          for (int64_t d = 0; d < D; ++d) ar[d] += w * vr[d];
         }
         l[r] = l[r] * corr + sum;
         m[r] = mx;
@@ -137,9 +192,9 @@ void attend(const Problem& pb, const T* q, const T* k, const T* v, T* out, int64
 // Runs every (row, KV head) task: the caller and up to num_threads - 1 pool workers take
 // tasks from a shared counter; the caller returns once every task is done. State is shared
 // by pointer so a worker that starts late (after all tasks are taken) touches live memory.
-template <typename T>
-void run_tasks(ffi::ThreadPool& pool, const Problem& pb, const T* q, const T* k, const T* v,
-               T* out) {
+template <typename T, typename KT>
+void run_tasks(ffi::ThreadPool& pool, const Problem& pb, const T* q, const KT* k, const KT* v,
+               Scales scales, T* out) {
   struct Shared {
     std::atomic<int64_t> next{0}, done{0};
   };
@@ -148,7 +203,7 @@ void run_tasks(ffi::ThreadPool& pool, const Problem& pb, const T* q, const T* k,
   auto worker = [=]() {
     std::vector<float> work;
     for (int64_t t; (t = shared->next.fetch_add(1)) < tasks;) {
-      attend(pb, q, k, v, out, t / pb.num_kv_heads, t % pb.num_kv_heads, work);
+      attend(pb, q, k, v, scales, out, t / pb.num_kv_heads, t % pb.num_kv_heads, work);
       shared->done.fetch_add(1, std::memory_order_release);
     }
   };
@@ -159,9 +214,9 @@ void run_tasks(ffi::ThreadPool& pool, const Problem& pb, const T* q, const T* k,
   }  // the last tasks finish on other threads within microseconds
 }
 
-template <typename T>
+template <typename T, typename KT>
 ffi::Error launch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                  ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
+                  Scales scales, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
                   ffi::Buffer<ffi::S32> starts, float scale, ffi::Result<ffi::AnyBuffer> out) {
   auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   Problem pb{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[0], td[1],
@@ -171,7 +226,8 @@ ffi::Error launch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   T* o = static_cast<T*>(out->untyped_data());
   std::memset(o, 0, out->size_bytes());  // padding tokens and empty rows read zeros
   run_tasks(pool, pb, static_cast<const T*>(q.untyped_data()),
-            static_cast<const T*>(k.untyped_data()), static_cast<const T*>(v.untyped_data()), o);
+            static_cast<const KT*>(k.untyped_data()), static_cast<const KT*>(v.untyped_data()),
+            scales, o);
   return ffi::Error::Success();
 }
 
@@ -183,11 +239,46 @@ ffi::Error dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
     return ffi::Error::InvalidArgument("paged attention: q, k, v and out must share a dtype");
   switch (q.element_type()) {
     case ffi::DataType::F32:
-      return launch<float>(pool, q, k, v, tables, lens, starts, scale, out);
+      return launch<float, float>(pool, q, k, v, {}, tables, lens, starts, scale, out);
     case ffi::DataType::BF16:
-      return launch<uint16_t>(pool, q, k, v, tables, lens, starts, scale, out);
+      return launch<uint16_t, uint16_t>(pool, q, k, v, {}, tables, lens, starts, scale, out);
     default:
       return ffi::Error::InvalidArgument("paged attention: dtype must be float32 or bfloat16");
+  }
+}
+
+template <typename T>
+ffi::Error launch_quant(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                        ffi::AnyBuffer v, Scales sc, ffi::Buffer<ffi::S32> tables,
+                        ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> starts, float scale,
+                        ffi::Result<ffi::AnyBuffer> out) {
+  switch (k.element_type()) {
+    case ffi::DataType::S8:
+      return launch<T, int8_t>(pool, q, k, v, sc, tables, lens, starts, scale, out);
+    case ffi::DataType::F8E4M3FN:
+      return launch<T, E4M3>(pool, q, k, v, sc, tables, lens, starts, scale, out);
+    case ffi::DataType::F8E5M2:
+      return launch<T, E5M2>(pool, q, k, v, sc, tables, lens, starts, scale, out);
+    default:
+      return ffi::Error::InvalidArgument("paged attention: quantized K/V must be int8 or fp8");
+  }
+}
+
+ffi::Error dispatch_quant(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                          ffi::AnyBuffer v, ffi::Buffer<ffi::F32> k_scale,
+                          ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> tables,
+                          ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> starts, float scale,
+                          ffi::Result<ffi::AnyBuffer> out) {
+  if (k.element_type() != v.element_type() || out->element_type() != q.element_type())
+    return ffi::Error::InvalidArgument("paged attention: k / v and q / out must share dtypes");
+  const Scales sc{k_scale.typed_data(), v_scale.typed_data()};
+  switch (q.element_type()) {
+    case ffi::DataType::F32:
+      return launch_quant<float>(pool, q, k, v, sc, tables, lens, starts, scale, out);
+    case ffi::DataType::BF16:
+      return launch_quant<uint16_t>(pool, q, k, v, sc, tables, lens, starts, scale, out);
+    default:
+      return ffi::Error::InvalidArgument("paged attention: q must be float32 or bfloat16");
   }
 }
 
@@ -199,6 +290,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttention, dispatch,
                                   .Arg<ffi::AnyBuffer>()         // q [T, Q, D]
                                   .Arg<ffi::AnyBuffer>()         // k_pages [H, N, K, D]
                                   .Arg<ffi::AnyBuffer>()         // v_pages [H, N, K, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, P]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start [S + 1]
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::AnyBuffer>());       // out [T, Q, D]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionQuant, dispatch_quant,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // q [T, Q, D]
+                                  .Arg<ffi::AnyBuffer>()         // k_pages [H, N, K, D] int8/fp8
+                                  .Arg<ffi::AnyBuffer>()         // v_pages [H, N, K, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scale [H, N, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scale [H, N, K]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, P]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens [S]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start [S + 1]

@@ -5,7 +5,9 @@
                                                                  materializes every page and
                                                                  runs tiny batched dots
     cpu (here)   walks block tables in place, online softmax,    needs a C++17 compiler once;
-                 one (row, KV head) per task on XLA's threads    f32 / bf16 only
+                 one (row, KV head) per task on XLA's threads    q f32 / bf16; K/V f32 /
+                                                                 bf16, or int8 / fp8 with
+                                                                 per-token scales
 
 Same contract as `paged_jax.attention.paged_attention` (ragged rows, causal, zeros for
 padding tokens). The shared library is compiled on first use with the machine's g++ (flags
@@ -32,6 +34,7 @@ import numpy as np
 
 SOURCE = Path(__file__).with_name("cpu_attention.cc")
 TARGET = "paged_jax_cpu_paged_attention"
+TARGET_QUANT = "paged_jax_cpu_paged_attention_quant"  # int8 / fp8 pages + f32 scales
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-fPIC")
 """Compile flags. -ffast-math gives the vectorized exp; the link step below leaves it out,
 because g++ then links crtfastmath.o, which turns on flush-to-zero for the whole process
@@ -96,17 +99,26 @@ def load(folder: str) -> bool:
                       stacklevel=2)
         return False
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PagedAttention), platform="cpu")
+    jax.ffi.register_ffi_target(TARGET_QUANT, jax.ffi.pycapsule(lib.PagedAttentionQuant),
+                                platform="cpu")
     return True
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start, *, scale: float):
-    """The kernel on one layer (call `load` first); shapes as in paged_jax.attention."""
+    """The kernel on one layer (call `load` first); shapes as in paged_jax.attention. Pages
+    are arrays, or (int8 / fp8 values, f32 per-token scales) pairs for a quantized cache."""
     dtype = q.dtype if q.dtype in (jnp.float32, jnp.bfloat16) else jnp.float32
-    cast = lambda x: x.astype(dtype)  # noqa: E731 - the kernel takes one dtype throughout
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, dtype))
-    out = call(cast(q), cast(k_pages), cast(v_pages), block_tables.astype(jnp.int32),
-               seq_lens.astype(jnp.int32), query_start.astype(jnp.int32),
-               scale=np.float32(scale))
+    ints = [x.astype(jnp.int32) for x in (block_tables, seq_lens, query_start)]
+    out_shape = jax.ShapeDtypeStruct(q.shape, dtype)
+    if isinstance(k_pages, tuple):
+        (kq, ks), (vq, vs) = k_pages, v_pages
+        call = jax.ffi.ffi_call(TARGET_QUANT, out_shape)
+        out = call(q.astype(dtype), kq, vq.astype(kq.dtype), ks.astype(jnp.float32),
+                   vs.astype(jnp.float32), *ints, scale=np.float32(scale))
+    else:
+        cast = lambda x: x.astype(dtype)  # noqa: E731 - the kernel takes one dtype throughout
+        out = jax.ffi.ffi_call(TARGET, out_shape)(cast(q), cast(k_pages), cast(v_pages), *ints,
+                                                  scale=np.float32(scale))
     return out.astype(q.dtype)
 
 

@@ -63,7 +63,7 @@ def paged_attention(
     Args:
       q: [T, Q, D] queries, Q = H * G (grouped-query attention: query head j uses KV head j // G).
       k_pages, v_pages: [H, N, K, D] one layer of the cache, or for an int8 / fp8 cache the
-        pair (values [H, N, K, D], per-token scales [H, N, K]) (reference backend only).
+        pair (values [H, N, K, D], per-token scales [H, N, K]) (reference and cpu backends).
       block_tables: [S, P] physical block of each logical block; padding entries are 0.
       seq_lens: [S] context length per sequence including this step's tokens (0 = padding).
       query_start: [S + 1] offsets of each sequence's queries in q (cumulative, nondecreasing).
@@ -86,9 +86,9 @@ def paged_attention(
             q, k_pages, v_pages, block_tables, seq_lens, query_start, max_q, scale, max_q_rows,
             decode_pages,
         )
-    if isinstance(k_pages, tuple):
-        raise ValueError(f"a quantized KV cache (kv_cache_dtype int8 / fp8) runs on the "
-                         f"'reference' attention backend for now, not {backend!r}")
+    if isinstance(k_pages, tuple) and backend == "pallas":
+        raise ValueError("a quantized KV cache (kv_cache_dtype int8 / fp8) runs on the "
+                         "'reference' and 'cpu' attention backends, not 'pallas' yet")
     if backend == "cpu":
         if not cpu_kernel_available():
             raise ValueError("attention backend 'cpu' needs its C++ kernel, which did not build "

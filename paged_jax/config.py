@@ -68,7 +68,7 @@ class EngineConfig:
         would exceed it recomputes instead.
       kv_cache_dtype: how K/V are stored (vLLM's name): "auto" (the model's dtype),
         "float32", "bfloat16", "int8", "fp8" (e4m3) or "fp8_e5m2"; int8 / fp8 keep a float32
-        scale per token and KV head (paged_jax/kv_quant.py) and run on the reference backend.
+        scale per token and KV head (paged_jax/kv_quant.py); not on the Pallas backend yet.
     """
 
     block_size: int = 16

@@ -63,14 +63,15 @@ def _to_host(out) -> types.SimpleNamespace:
 
 
 def _backend(asked: str | None, quantized: bool) -> str:
-    """The attention backend: the platform's default, or "reference" for an int8 / fp8 cache
-    (the only backend that reads one yet)."""
-    if not quantized:
-        return asked or default_backend()
-    if asked not in (None, "reference"):
-        raise ValueError(f"kv_cache_dtype int8 / fp8 runs on attention_backend='reference' "
-                         f"for now, not {asked!r}")
-    return "reference"
+    """The attention backend: the one asked for, else the platform's default; an int8 / fp8
+    cache is read by the reference and cpu backends (not Pallas yet)."""
+    backend = asked or default_backend()
+    if quantized and backend == "pallas":
+        if asked:
+            raise ValueError("kv_cache_dtype int8 / fp8 runs on the 'reference' and 'cpu' "
+                             "attention backends, not 'pallas' yet")
+        return "reference"
+    return backend
 
 
 @dataclasses.dataclass

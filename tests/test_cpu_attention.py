@@ -94,3 +94,22 @@ def test_loading_the_kernel_keeps_subnormal_floats():
     build links without it, so numpy, torch and XLA keep IEEE subnormals."""
     assert cpu_kernel_available()
     assert np.float32(1e-40) * np.float32(1.0) != 0.0  # (XLA flushes in its own threads)
+
+
+@settings(max_examples=20, deadline=None)
+@given(batch=batches(), name=st.sampled_from(["int8", "fp8", "fp8_e5m2"]))
+def test_quantized_pages_match_the_reference(batch, name):
+    """int8 / fp8 pages with per-token scales; free blocks' scales are NaN."""
+    from paged_jax import kv_quant
+
+    q, k, v, tables, lens, qs = batch
+    dt = kv_quant.storage_dtype(name, jnp.float32)
+    pages = []
+    for x in (k, v):
+        vals, scale = kv_quant.quantize(jnp.asarray(np.nan_to_num(x)), dt)
+        pages.append((vals, jnp.where(jnp.isnan(x).any(-1), jnp.nan, scale)))
+    args = (jnp.asarray(q), *pages, *map(jnp.asarray, (tables, lens, qs)))
+    got = np.asarray(cpu_attention.paged_attention(*args, scale=0.3))
+    ref = np.asarray(paged_attention(*args, max_q=8, backend="reference", scale=0.3))
+    assert np.all(np.isfinite(got)), "a NaN from a free block leaked"
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)

@@ -62,12 +62,19 @@ def test_per_token_scales_beat_per_block_scales_on_uneven_tokens():
 
 
 @pytest.mark.slow
-def test_granularity_experiment_on_smollm2():
-    from experiments import kv_quantization
+def test_granularity_and_claim_on_smollm2():
+    from experiments import kv_quantization as kq_exp
+    from paged_jax.models import load_model
 
-    rows = kv_quantization.main(tokens=64, name="kv_quantization_test")["granularity"]
+    rows = kq_exp.granularity(load_model(), tokens=64)
     assert {(r["dtype"], r["granularity"]) for r in rows} == {
         (d, g) for d in ("int8", "fp8") for g in ("token", "block")}
     by = {(r["dtype"], r["granularity"]): r for r in rows}
     assert 0 < by[("int8", "token")]["attn_rel_err"] < 0.05
     assert by[("int8", "token")]["k_rel_err"] < by[("int8", "block")]["k_rel_err"]
+    mem = [dict(dtype=d, bytes_per_block=b) for d, b in (("bfloat16", 136), ("int8", 68))]
+    agree = [dict(dtype="int8", identical=15, prompts=16)]
+    quality = [dict(dtype="float32", perplexity=10.0), dict(dtype="int8", perplexity=10.05)]
+    assert kq_exp.claim(mem, agree, quality)["holds"]
+    quality[1]["perplexity"] = 10.5  # 5% worse: the claim must fail
+    assert not kq_exp.claim(mem, agree, quality)["holds"]

@@ -69,6 +69,15 @@ def test_int8_batched_equals_one_at_a_time_and_tracks_fp32(int8_greedy):
     assert same >= 9, f"only {same} of {N} prompts give the fp32 cache's greedy tokens"
 
 
+def test_int8_reference_backend_gives_the_same_tokens(int8_greedy):
+    """The default backend here reads the int8 pages in C++ (when it builds); the jnp
+    reference reads the same pages."""
+    eng = engine(**INT8, backend="reference")
+    outs = run(eng, [(str(i), p, GREEDY) for i, p in enumerate(prompts(N))])
+    for i in range(N):
+        assert tokens(outs, str(i)) == tokens(int8_greedy, str(i)), f"prompt {i}"
+
+
 def test_int8_swap_preemption_loses_nothing(int8_greedy):
     eng = engine(**INT8, preemption_mode="swap")
     outs = run(eng, [(str(i), p, GREEDY) for i, p in enumerate(prompts(N))], check=True)
@@ -100,5 +109,5 @@ def test_quantized_pool_holds_more_blocks_and_bad_names_are_refused():
         LLM(model_parts=model(), kv_cache_dtype="int3")
     with pytest.raises(ValueError, match="kv_cache_dtype='int3'"):
         EngineConfig(kv_cache_dtype="int3")
-    with pytest.raises(ValueError, match="attention_backend='reference' for now, not 'cpu'"):
-        engine(kv_cache_dtype="int8", backend="cpu")
+    with pytest.raises(ValueError, match="not 'pallas' yet"):
+        engine(kv_cache_dtype="int8", backend="pallas")
