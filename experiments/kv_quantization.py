@@ -177,24 +177,33 @@ def main(argv: list[str] | None = None, name: str = "kv_quantization") -> dict:
     prompts = chat_ids(parts[2], 4 if q else 16)
     # fp32 holds about a quarter of the burst in 96 MiB (SmolLM2: 737 KiB per fp32 block).
     res = dict(memory=memory(parts, 24 << 20 if q else 96 << 20, 8 if q else 64, 64, 64))
+    _show(res, "memory")
     llms = {d: LLM(model_parts=parts, kv_cache_dtype=d, **SHAPE) for d in DTYPES}
     res["agreement"], fp32 = agreement(llms, prompts, 8 if q else 32)
+    _show(res, "agreement")
     res["quality"] = logits_and_ppl(parts, prompts[:2] if q else prompts[:4],
                                     fp32[:2] if q else fp32[:4])
+    _show(res, "quality")
     res["speed"] = speed(llms, parts[2], 8 if q else 64, 8 if q else 64)
+    _show(res, "speed")
     res["granularity"] = granularity(parts, 64 if q else 256)
+    _show(res, "granularity")
     res["claim"] = claim(res["memory"], res["agreement"], res["quality"])
     res["json"] = str(save_json(name, res))
-    for key, cols in (("memory", ["dtype", "blocks", "bytes_per_block", "mean_running",
-                                  "peak_running"]),
-                      ("agreement", ["dtype", "identical", "prompts", "first_divergence"]),
-                      ("quality", ["dtype", "max_abs_logit_diff", "mean_kl", "perplexity"]),
-                      ("speed", ["dtype", "backend", "tok_s"]),
-                      ("granularity", ["dtype", "granularity", "k_rel_err", "v_rel_err",
-                                       "attn_rel_err"])):
-        print(f"\n{key}\n" + table(res[key], cols))
     print("\nclaim:", res["claim"])
     return res
+
+
+COLUMNS = dict(memory=["dtype", "blocks", "bytes_per_block", "mean_running", "peak_running"],
+               agreement=["dtype", "identical", "prompts", "first_divergence"],
+               quality=["dtype", "max_abs_logit_diff", "mean_kl", "perplexity"],
+               speed=["dtype", "backend", "tok_s"],
+               granularity=["dtype", "granularity", "k_rel_err", "v_rel_err", "attn_rel_err"])
+
+
+def _show(res: dict, key: str) -> None:
+    """Prints one section as soon as it is measured (a full run takes long on a CPU)."""
+    print(f"\n{key}\n" + table(res[key], COLUMNS[key]), flush=True)
 
 
 if __name__ == "__main__":
