@@ -165,20 +165,16 @@ def decode_roofline(config, params, plan: Plan, bandwidth: float, deadline: floa
     step = sum(s.duration for s in full) / sum(s.num_steps for s in full)
     ctx = d["prompt"] + d["tokens"] / 2
     moved = weight_bytes(params) + d["batch"] * ctx * kv_bytes_per_token(
-        config, jax_dtype(params))
+        config, eng.kv.cache.dtype)
     return dict(batch=d["batch"], context=ctx, step_ms=step * 1e3,
                 roofline_ms=moved / bandwidth * 1e3, ratio=step * bandwidth / moved)
-
-
-def jax_dtype(params):
-    import jax
-
-    return jax.tree.leaves(params)[0].dtype
 
 
 def run_engine(plan: Plan, bandwidth: float, budget_s: float, backend: str | None = None
                ) -> dict:
     """Section 2: every policy on the same workload and pool, then the decode roofline."""
+    from paged_jax.workloads import describe
+
     t0 = time.perf_counter()
     config, params = random_model(plan.model)
     items = workload_items(plan)
@@ -193,13 +189,7 @@ def run_engine(plan: Plan, bandwidth: float, budget_s: float, backend: str | Non
         print(f"engine {policy:9} {rows[-1]}", flush=True)
     roof = decode_roofline(config, params, plan, bandwidth, t0 + budget_s)
     print(f"decode roofline {roof}", flush=True)
-    return dict(policies=rows, decode=roof, workload=_describe(items))
-
-
-def _describe(items) -> dict:
-    from paged_jax.workloads import describe
-
-    return describe(items)
+    return dict(policies=rows, decode=roof, workload=describe(items))
 
 
 # ------------------------------------------------------------------------------- output
