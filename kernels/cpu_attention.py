@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels.pages import PagesLike, as_pages
+
 SOURCE = Path(__file__).with_name("cpu_attention.cc")
 TARGET = "paged_jax_cpu_paged_attention"
 TARGET_QUANT = "paged_jax_cpu_paged_attention_quant"  # int8 / fp8 pages + f32 scales
@@ -104,21 +106,27 @@ def load(folder: str) -> bool:
     return True
 
 
-def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start, *, scale: float):
+def paged_attention(q, k_pages: PagesLike, v_pages: PagesLike, block_tables, seq_lens,
+                    query_start, *, scale: float):
     """The kernel on one layer (call `load` first); shapes as in paged_jax.attention. Pages
-    are arrays, or (int8 / fp8 values, f32 per-token scales) pairs for a quantized cache."""
+    are read as stored (kernels/pages.py): float32 / bfloat16, or int8 / fp8 with per-token
+    scales, bfloat16 and fp8 possibly as their bits; never cast or copied here."""
+    k_pages, v_pages = as_pages(k_pages), as_pages(v_pages)
     dtype = q.dtype if q.dtype in (jnp.float32, jnp.bfloat16) else jnp.float32
     ints = [x.astype(jnp.int32) for x in (block_tables, seq_lens, query_start)]
     out_shape = jax.ShapeDtypeStruct(q.shape, dtype)
-    if isinstance(k_pages, tuple):
-        (kq, ks), (vq, vs) = k_pages, v_pages
+    kv = k_pages.dtype
+    if k_pages.scale is not None:
         call = jax.ffi.ffi_call(TARGET_QUANT, out_shape)
-        out = call(q.astype(dtype), kq, vq.astype(kq.dtype), ks.astype(jnp.float32),
-                   vs.astype(jnp.float32), *ints, scale=np.float32(scale))
+        out = call(q.astype(dtype), k_pages.values, v_pages.values,
+                   k_pages.scale.astype(jnp.float32), v_pages.scale.astype(jnp.float32), *ints,
+                   scale=np.float32(scale), e5m2=np.int32(kv == jnp.float8_e5m2))
     else:
-        cast = lambda x: x.astype(dtype)  # noqa: E731 - the kernel takes one dtype throughout
-        out = jax.ffi.ffi_call(TARGET, out_shape)(cast(q), cast(k_pages), cast(v_pages), *ints,
-                                                  scale=np.float32(scale))
+        cast = (lambda x: x) if kv in (jnp.float32, jnp.bfloat16) else (  # noqa: E731
+            lambda x: x.astype(jnp.float32))  # e.g. float16 pages: the kernel reads f32 / bf16
+        out = jax.ffi.ffi_call(TARGET, out_shape)(
+            q.astype(dtype), cast(k_pages.values), cast(v_pages.values), *ints,
+            scale=np.float32(scale))
     return out.astype(q.dtype)
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kernels.paged_attention import DOT_MIN, decode_attention
+from kernels.pages import PagesLike, as_pages
 from kernels.ragged_paged_attention import ragged_paged_attention
 
 TARGET_PROGRAMS = 256  # ~2 programs per SM on an H100/H200 (132 SMs)
@@ -43,8 +44,8 @@ def ragged_variant(block: int) -> str:
 
 def paged_attention(
     q: Float[Array, "T Q D"],
-    k_pages: Float[Array, "H N K D"],
-    v_pages: Float[Array, "H N K D"],
+    k_pages: PagesLike,
+    v_pages: PagesLike,
     block_tables: Int[Array, "S P"],
     seq_lens: Int[Array, "S"],
     query_start: Int[Array, "S+1"],
@@ -56,11 +57,11 @@ def paged_attention(
     if max_q > 1:
         return ragged_paged_attention(
             q, k_pages, v_pages, block_tables, seq_lens, query_start,
-            max_q=max_q, variant=ragged_variant(k_pages.shape[2]), scale=scale,
+            max_q=max_q, variant=ragged_variant(as_pages(k_pages).shape[2]), scale=scale,
         )
     t, nq, _ = q.shape
     nseq, pages = block_tables.shape
-    h, _, block, _ = k_pages.shape
+    h, _, block, _ = as_pages(k_pages).shape
     variant, splits = decode_plan(nseq, nq, h, block, pages)
     start = query_start[:-1]
     has_q = query_start[1:] > start

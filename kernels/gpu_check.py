@@ -142,7 +142,32 @@ def validate() -> list[dict]:
             for variant in ("grouped", "dot"):
                 run = functools.partial(ragged_paged_attention, *args, max_q=16, variant=variant)
                 rows.append(_check("ragged", variant, nq, h, d, dtype, run, ref, tol))
+        for kind in ("int8", "fp8"):  # stored pages with per-token scales, f32 queries
+            q, k, v, *rest = random_decode_inputs(key, 8, nq, h, d, BLOCK, 16, jnp.float32)
+            args = (q, stored_pages(k, kind), stored_pages(v, kind), *rest)
+            ref = decode_reference(*args)
+            for variant in ("grouped", "dot", "split"):
+                run = functools.partial(decode_attention, *args, variant=variant, num_splits=4)
+                rows.append(_check("decode", variant, nq, h, d, kind, run, ref, 2e-3))
     return rows
+
+
+def stored_pages(x, kind: str):
+    """Float pages (NaN in free slots) as int8 values or fp8 bits with per-token scales, NaN
+    scales where the values were NaN: what an int8 / fp8 cache holds (kernels/pages.py)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels.pages import Pages
+
+    free = jnp.isnan(x).any(-1)
+    scale = jnp.where(free, jnp.nan, 1 / 32)
+    y = jnp.nan_to_num(x) * 32
+    if kind == "int8":
+        return Pages(jnp.clip(jnp.round(y), -127, 127).astype(jnp.int8), scale,
+                     jnp.dtype(jnp.int8))
+    bits = jax.lax.bitcast_convert_type(y.astype(jnp.float8_e4m3fn), jnp.uint8)
+    return Pages(bits, scale, jnp.dtype(jnp.float8_e4m3fn))
 
 
 def _check(kind, variant, nq, h, d, dtype, run, ref, tol) -> dict:
@@ -150,7 +175,8 @@ def _check(kind, variant, nq, h, d, dtype, run, ref, tol) -> dict:
     rest of the report is still written)."""
     import jax.numpy as jnp
 
-    row = dict(kind=kind, variant=variant, heads=f"{nq}/{h}", d=d, dtype=jnp.dtype(dtype).name)
+    name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
+    row = dict(kind=kind, variant=variant, heads=f"{nq}/{h}", d=d, dtype=name)
     try:
         out = run()
     except Exception as e:

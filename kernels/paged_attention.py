@@ -41,6 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
+from kernels.pages import PagesLike, as_pages, view
+
 Ref = Any  # a Pallas ref inside a kernel (not an Array)
 DType = Any  # jnp.float32 is a class, jnp.dtype("float32") an instance: both accepted
 
@@ -115,20 +117,52 @@ def normalize(o: Array, den: Array) -> Array:
     return jnp.where(den[:, None] > 0, o / jnp.where(den > 0, den, 1.0)[:, None], 0.0)
 
 
-def load_page(ref: Ref, h: Array, page: Array, valid: Array, dtype: DType) -> Array:
-    """One [K, D] page of KV head h, rows past the sequence end replaced by 0 (they may be NaN)."""
-    x = ref[h, page, :, :].astype(dtype)
+def load_page(
+    ref: Ref, h: Array, page: Array, valid: Array, dtype: DType, kv_dtype: DType,
+    scale_ref: Ref | None = None,
+) -> Array:
+    """One [K, D] page of KV head h in `dtype`, rows past the sequence end replaced by 0 (they
+    may be NaN). Pages stored as bits are viewed as `kv_dtype` after the load, and int8 / fp8
+    ones multiplied by their per-token scales (kernels/pages.py)."""
+    x = view(ref[h, page, :, :], kv_dtype)
+    if scale_ref is not None:
+        x = x.astype(jnp.float32) * scale_ref[h, page, :][:, None]
+    x = x.astype(dtype)
     return jnp.where(valid[:, None], x, jnp.zeros_like(x))
+
+
+def page_operands(k_pages: PagesLike, v_pages: PagesLike) -> tuple[list[Array], Any, bool]:
+    """The kernels' K/V operands (values, then scales when quantized), the values' dtype, and
+    whether they carry scales."""
+    k, v = as_pages(k_pages), as_pages(v_pages)
+    scales = [k.scale, v.scale] if k.scale is not None else []
+    return [k.values, v.values, *scales], k.dtype, bool(scales)
+
+
+def compute_dtype(kv_dtype: DType, q_dtype: DType, use_dot: bool) -> DType:
+    """What pages are multiplied in: f32 for the elementwise variants; for tl.dot the pages'
+    own float dtype, or q's when they are int8 / fp8 (dequantized on load)."""
+    if not use_dot:
+        return jnp.float32
+    kv = jnp.dtype(kv_dtype)
+    return kv if kv in (jnp.float32, jnp.bfloat16, jnp.float16) else jnp.dtype(q_dtype)
+
+
+def split_refs(refs: tuple, quantized: bool) -> tuple[Ref | None, Ref | None, tuple]:
+    """(k scale ref, v scale ref, the rest) of a kernel's refs after K and V."""
+    return (refs[0], refs[1], refs[2:]) if quantized else (None, None, refs)
 
 
 # ----------------------------------------------------------------------------- decode kernel
 def _decode_kernel(
-    q_ref, k_ref, v_ref, bt_ref, len_ref, *out_refs,
-    scale: float, pages_per_split: int, use_dot: bool, split: bool,
+    q_ref, k_ref, v_ref, *refs,
+    scale: float, pages_per_split: int, use_dot: bool, split: bool, kv_dtype: DType,
+    quantized: bool,
 ) -> None:
+    ks_ref, vs_ref, (bt_ref, len_ref, *out_refs) = split_refs(refs, quantized)
     s, h, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block = k_ref.shape[2]
-    dt = k_ref.dtype if use_dot else jnp.float32
+    dt = compute_dtype(kv_dtype, q_ref.dtype, use_dot)
     q = (q_ref[...].astype(jnp.float32) * scale).astype(dt)  # [Gp, D]
     length = len_ref[s]
     first = part * pages_per_split
@@ -139,8 +173,8 @@ def _decode_kernel(
         page = bt_ref[s, i]
         kpos = i * block + jnp.arange(block)
         valid = kpos < length
-        k = load_page(k_ref, h, page, valid, dt)
-        v = load_page(v_ref, h, page, valid, dt)
+        k = load_page(k_ref, h, page, valid, dt, kv_dtype, ks_ref)
+        v = load_page(v_ref, h, page, valid, dt, kv_dtype, vs_ref)
         scores = jnp.where(valid[None, :], qk(q, k, use_dot), -jnp.inf)
         return online_update(state, scores, v, use_dot)
 
@@ -191,8 +225,8 @@ def _decode_outputs(nseq: int, h: int, splits: int, gp: int, d: int, dtype) -> t
 )
 def decode_attention(
     q: Float[Array, "S Q D"],
-    k_pages: Float[Array, "H N K D"],
-    v_pages: Float[Array, "H N K D"],
+    k_pages: PagesLike,
+    v_pages: PagesLike,
     block_tables: Int[Array, "S P"],
     seq_lens: Int[Array, "S"],
     *,
@@ -206,7 +240,8 @@ def decode_attention(
 
     Args:
       q: [S, Q, D] the query of each sequence (its position is seq_lens[s] - 1).
-      k_pages, v_pages: [H, N, K, D] one layer of the paged cache.
+      k_pages, v_pages: one layer of the paged cache: [H, N, K, D] float pages, or int8 /
+        fp8 ones with per-token scales (kernels/pages.py).
       block_tables: [S, P] physical block per logical block (padding -> zero block 0).
       seq_lens: [S] context lengths including the query token; 0 = padding (output 0).
       variant: "grouped" | "dot" | "split" (see the module docstring).
@@ -216,7 +251,8 @@ def decode_attention(
       [S, Q, D] attention output in q's dtype.
     """
     nseq, nq, d = q.shape
-    h, _, block, _ = k_pages.shape
+    kv_ops, kv_dtype, quantized = page_operands(k_pages, v_pages)
+    h, _, block, _ = kv_ops[0].shape
     g = nq // h
     use_dot, split = _check_variant(variant, block) == "dot", variant == "split"
     gp = max(next_pow2(g), DOT_MIN) if use_dot else next_pow2(g)
@@ -231,21 +267,20 @@ def decode_attention(
     any_spec = pl.BlockSpec(memory_space=ANY)
     out_specs, out_shape = _decode_outputs(nseq, h, splits if split else 0, gp, d, q.dtype)
     kernel = functools.partial(
-        _decode_kernel, scale=scale, pages_per_split=pps, use_dot=use_dot, split=split
+        _decode_kernel, scale=scale, pages_per_split=pps, use_dot=use_dot, split=split,
+        kv_dtype=kv_dtype, quantized=quantized,
     )
     outs = pl.pallas_call(
         kernel,
         grid=(nseq, h, splits),
-        in_specs=[
-            pl.BlockSpec((None, None, gp, d), lambda s, i, x: (s, i, 0, 0)),
-            any_spec, any_spec, any_spec, any_spec,
-        ],
+        in_specs=[pl.BlockSpec((None, None, gp, d), lambda s, i, x: (s, i, 0, 0))]
+        + [any_spec] * (len(kv_ops) + 2),
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=compiler_params(num_warps=num_warps),
         name=f"paged_decode_{variant}",
-    )(qg, k_pages, v_pages, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32))
+    )(qg, *kv_ops, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32))
     o = combine_splits(*outs) if split else outs[0]
     return o[:, :, :g].reshape(nseq, nq, d).astype(q.dtype)
 
@@ -253,8 +288,8 @@ def decode_attention(
 # ----------------------------------------------------------------------------- reference
 def decode_reference(
     q: Float[Array, "S Q D"],
-    k_pages: Float[Array, "H N K D"],
-    v_pages: Float[Array, "H N K D"],
+    k_pages: PagesLike,
+    v_pages: PagesLike,
     block_tables: Int[Array, "S P"],
     seq_lens: Int[Array, "S"],
     *,

@@ -43,26 +43,31 @@ from kernels.paged_attention import (
     DOT_MIN,
     DType,
     compiler_params,
+    compute_dtype,
     init_state,
     load_page,
     next_pow2,
     normalize,
     online_update,
+    page_operands,
     qk,
+    split_refs,
     time_fn,
     use_interpret,
 )
+from kernels.pages import PagesLike
 
 VARIANTS = ("grouped", "dot")
 
 
 def _ragged_kernel(
-    q_ref, k_ref, v_ref, bt_ref, len_ref, nq_ref, o_ref, *, scale: float, use_dot: bool
+    q_ref, k_ref, v_ref, *refs, scale: float, use_dot: bool, kv_dtype: DType, quantized: bool
 ) -> None:
+    ks_ref, vs_ref, (bt_ref, len_ref, nq_ref, o_ref) = split_refs(refs, quantized)
     s, h, qb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bq, gp, d = q_ref.shape
     block = k_ref.shape[2]
-    dt = k_ref.dtype if use_dot else jnp.float32
+    dt = compute_dtype(kv_dtype, q_ref.dtype, use_dot)
     q = (q_ref[...].astype(jnp.float32) * scale).reshape(bq * gp, d).astype(dt)
     length, nq = len_ref[s], nq_ref[s]
     qi = qb * bq + jnp.arange(bq * gp) // gp  # query index inside the chunk, per row
@@ -75,8 +80,8 @@ def _ragged_kernel(
     def body(i, state):
         page = bt_ref[s, i]
         kpos = i * block + jnp.arange(block)
-        k = load_page(k_ref, h, page, kpos < length, dt)
-        v = load_page(v_ref, h, page, kpos < length, dt)
+        k = load_page(k_ref, h, page, kpos < length, dt, kv_dtype, ks_ref)
+        v = load_page(v_ref, h, page, kpos < length, dt, kv_dtype, vs_ref)
         see = (kpos[None, :] <= qpos[:, None]) & row_ok[:, None]
         scores = jnp.where(see, qk(q, k, use_dot), -jnp.inf)
         return online_update(state, scores, v, use_dot)
@@ -118,8 +123,8 @@ def _pack_queries(
 )
 def ragged_paged_attention(
     q: Float[Array, "T Q D"],
-    k_pages: Float[Array, "H N K D"],
-    v_pages: Float[Array, "H N K D"],
+    k_pages: PagesLike,
+    v_pages: PagesLike,
     block_tables: Int[Array, "S P"],
     seq_lens: Int[Array, "S"],
     query_start: Int[Array, "S+1"],
@@ -140,7 +145,8 @@ def ragged_paged_attention(
     if variant not in VARIANTS:
         raise ValueError(f"unknown ragged variant {variant!r}; expected one of {VARIANTS}")
     t, nq, d = q.shape
-    h, _, block, _ = k_pages.shape
+    kv_ops, kv_dtype, quantized = page_operands(k_pages, v_pages)
+    h, _, block, _ = kv_ops[0].shape
     g = nq // h
     use_dot = variant == "dot"
     if use_dot and block < DOT_MIN:
@@ -156,15 +162,16 @@ def ragged_paged_attention(
     any_spec = pl.BlockSpec(memory_space=ANY)
     tile = pl.BlockSpec((None, None, bq, gp, d), lambda s, i, b: (s, i, b, 0, 0))
     out = pl.pallas_call(
-        functools.partial(_ragged_kernel, scale=scale, use_dot=use_dot),
+        functools.partial(_ragged_kernel, scale=scale, use_dot=use_dot, kv_dtype=kv_dtype,
+                          quantized=quantized),
         grid=(nseq, h, mq // bq),
-        in_specs=[tile, any_spec, any_spec, any_spec, any_spec, any_spec],
+        in_specs=[tile] + [any_spec] * (len(kv_ops) + 3),
         out_specs=tile,
         out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
         interpret=interpret,
         compiler_params=compiler_params(num_warps=num_warps),
         name=f"ragged_paged_attention_{variant}",
-    )(qp, k_pages, v_pages, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32), num_q)
+    )(qp, *kv_ops, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32), num_q)
     out = jnp.moveaxis(out, 1, 2)[:, :, :, :g].reshape(nseq, mq, nq, d)
     dest = jnp.where(valid, tok, t)  # rows of padding queries are dropped
     return jnp.zeros((t, nq, d), q.dtype).at[dest].set(out, mode="drop")

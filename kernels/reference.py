@@ -17,24 +17,20 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, Shaped
+from jaxtyping import Array, Bool, Float, Int
 
-Pages = Float[Array, "H N K D"] | tuple[Shaped[Array, "H N K D"], Float[Array, "H N K"]]
-"""One layer's K (or V) pages: float values, or quantized values and their per-token scales
-(x = q * scale), read back in float32 only after the gather, so a step dequantizes what it
-reads, not the pool."""
+from kernels.pages import PagesLike, as_pages
+
+Pages = PagesLike  # float pages, a (quantized values, scales) pair, or kernels.pages.Pages
 
 
 def _shape(pages: Pages) -> tuple[int, ...]:
-    return (pages[0] if isinstance(pages, tuple) else pages).shape
+    return as_pages(pages).shape
 
 
 def _take(pages: Pages, idx) -> Array:
     """pages[:, idx] in float32 ([H, *idx.shape, K, D]), dequantized if need be."""
-    if isinstance(pages, tuple):
-        vals, scale = pages
-        return vals[:, idx].astype(jnp.float32) * scale[:, idx][..., None]
-    return pages[:, idx].astype(jnp.float32)
+    return as_pages(pages).take(idx)
 
 
 def _cdiv(a, b):

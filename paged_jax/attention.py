@@ -21,7 +21,8 @@ import jax
 
 from kernels import cpu_attention
 from kernels import reference as ref
-from kernels.reference import Pages, flat_decode_reference, ragged_reference, tiled_reference
+from kernels.pages import PagesLike as Pages
+from kernels.reference import flat_decode_reference, ragged_reference, tiled_reference
 from paged_jax import compile_cache
 from paged_jax.types import Array, Float, Int
 
@@ -62,8 +63,9 @@ def paged_attention(
 
     Args:
       q: [T, Q, D] queries, Q = H * G (grouped-query attention: query head j uses KV head j // G).
-      k_pages, v_pages: [H, N, K, D] one layer of the cache, or for an int8 / fp8 cache the
-        pair (values [H, N, K, D], per-token scales [H, N, K]) (reference and cpu backends).
+      k_pages, v_pages: one layer of the cache: [H, N, K, D] float pages, a pair (int8 / fp8
+        values [H, N, K, D], per-token scales [H, N, K]), or kernels.pages.Pages (the
+        engine's, bfloat16 / fp8 stored as their bits).
       block_tables: [S, P] physical block of each logical block; padding entries are 0.
       seq_lens: [S] context length per sequence including this step's tokens (0 = padding).
       query_start: [S + 1] offsets of each sequence's queries in q (cumulative, nondecreasing).
@@ -86,9 +88,6 @@ def paged_attention(
             q, k_pages, v_pages, block_tables, seq_lens, query_start, max_q, scale, max_q_rows,
             decode_pages,
         )
-    if isinstance(k_pages, tuple) and backend == "pallas":
-        raise ValueError("a quantized KV cache (kv_cache_dtype int8 / fp8) runs on the "
-                         "'reference' and 'cpu' attention backends, not 'pallas' yet")
     if backend == "cpu":
         if not cpu_kernel_available():
             raise ValueError("attention backend 'cpu' needs its C++ kernel, which did not build "

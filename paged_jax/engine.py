@@ -62,18 +62,6 @@ def _to_host(out) -> types.SimpleNamespace:
     return spaces(jax.device_get(fields(out)))
 
 
-def _backend(asked: str | None, quantized: bool) -> str:
-    """The attention backend: the one asked for, else the platform's default; an int8 / fp8
-    cache is read by the reference and cpu backends (not Pallas yet)."""
-    backend = asked or default_backend()
-    if quantized and backend == "pallas":
-        if asked:
-            raise ValueError("kv_cache_dtype int8 / fp8 runs on the 'reference' and 'cpu' "
-                             "attention backends, not 'pallas' yet")
-        return "reference"
-    return backend
-
-
 @dataclasses.dataclass
 class StepStats:
     """One engine step, for experiments."""
@@ -105,7 +93,7 @@ class Engine:
                             swap=ec.preemption_mode == "swap", swap_space=ec.swap_space)
         self.sampling = jax.device_put(smp.init_sampling_state(cc.max_seqs, config.vocab_size),
                                        jax.devices()[0])
-        self.step_cfg = StepConfig(config, _backend(ec.backend, kv_quant.is_quantized(kv_dtype)))
+        self.step_cfg = StepConfig(config, ec.backend or default_backend())
         self.scheduler = Scheduler(
             SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.block_size,
                             ec.admission, ec.max_skips, ec.decode_window),

@@ -13,7 +13,10 @@ pool, against 0.1 s with per-layer buffers). Separate buffers are written in pla
 Quantized caches (kv_cache_dtype int8 / fp8, paged_jax/kv_quant.py) store int8 or fp8 pages
 and one float32 scale per token and KV head beside them: ``k_scale[l]`` is ``[H, N, K]``.
 Every operation here (write, copy-on-write copy, swap out / in) moves the scales with their
-values; a layer's cache is handed to the model as a tuple (k, v) or (k, v, k_scale, v_scale).
+values; a layer's cache is handed to the model as a (K, V) pair of kernels.pages.Pages.
+bfloat16 and fp8 pages are
+stored as their bits (uint16 / uint8, see kv_quant.bits_dtype) and seen in their dtype only
+when read.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
+from kernels.pages import Pages
 from paged_jax import kv_quant
 from paged_jax.page_table import PageTable
 from paged_jax.types import NULL_BLOCK, Array, Float, Int, Shaped
@@ -32,29 +37,35 @@ from paged_jax.types import NULL_BLOCK, Array, Float, Int, Shaped
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """K and V pages, one [H, N, K, D] array per layer (float, or int8 / fp8 with per-token
-    scales [H, N, K] in k_scale / v_scale; empty for float caches). Block 0 is the zero
-    block: never written, so it stays all zeros."""
+    """K and V pages, one [H, N, K, D] array per layer, stored as `kv_quant.bits_dtype(dtype)`
+    (float32 and int8 as themselves, bfloat16 / fp8 as their bits); int8 / fp8 pages have
+    per-token scales [H, N, K] in k_scale / v_scale (empty for float caches). Block 0 is the
+    zero block: never written, so it stays all zeros."""
 
     k: tuple[Shaped[Array, "H N K D"], ...]
     v: tuple[Shaped[Array, "H N K D"], ...]
     k_scale: tuple[Float[Array, "H N K"], ...] = ()
     v_scale: tuple[Float[Array, "H N K"], ...] = ()
+    dtype: jnp.dtype = dataclasses.field(default=jnp.dtype(jnp.float32),
+                                         metadata=dict(static=True))
 
     @property
     def quantized(self) -> bool:
         return bool(self.k_scale)
 
-    def layer(self, i: int) -> tuple[Array, ...]:
-        """Layer i as the model takes it: (k, v), or (k, v, k_scale, v_scale)."""
-        extra = (self.k_scale[i], self.v_scale[i]) if self.quantized else ()
-        return (self.k[i], self.v[i], *extra)
+    def layer(self, i: int) -> tuple[Pages, Pages]:
+        """Layer i's (K, V) pages, as the model and the attention kernels take them."""
+        ks, vs = (self.k_scale[i], self.v_scale[i]) if self.quantized else (None, None)
+        return Pages(self.k[i], ks, self.dtype), Pages(self.v[i], vs, self.dtype)
 
     @classmethod
-    def of_layers(cls, layers: list[tuple[Array, ...]]) -> KVCache:
+    def of_layers(cls, layers: list[tuple[Pages, Pages]]) -> KVCache:
         """The inverse of `layer` over all layers."""
-        parts = list(zip(*layers, strict=True))
-        return cls(*(tuple(p) for p in parts))
+        ks, vs = zip(*layers, strict=True)
+        scales = ((tuple(x.scale for x in ks), tuple(x.scale for x in vs))
+                  if ks[0].scale is not None else ((), ()))
+        return cls(tuple(x.values for x in ks), tuple(x.values for x in vs), *scales,
+                   dtype=ks[0].dtype)
 
     @property
     def num_layers(self) -> int:
@@ -68,23 +79,16 @@ class KVCache:
     def num_blocks(self) -> int:
         return self.k[0].shape[1]
 
-    @property
-    def dtype(self) -> jnp.dtype:
-        return self.k[0].dtype
-
     def stacked(self) -> tuple[Float[Array, "L H N K D"], Float[Array, "L H N K D"]]:
         """(k, v) stacked over layers, float32 (dequantized): a copy, for inspection."""
-        if not self.quantized:
-            return jnp.stack(self.k), jnp.stack(self.v)
-        return (jnp.stack([kv_quant.dequantize(x, s) for x, s in zip(self.k, self.k_scale,
-                                                                      strict=True)]),
-                jnp.stack([kv_quant.dequantize(x, s) for x, s in zip(self.v, self.v_scale,
-                                                                      strict=True)]))
+        pairs = [self.layer(i) for i in range(self.num_layers)]
+        every = jnp.arange(self.num_blocks)
+        return tuple(jnp.stack([p[j].take(every) for p in pairs]) for j in (0, 1))
 
 
 def init_kv_cache(
     num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int,
-    dtype: jnp.dtype = jnp.float32,
+    dtype: DTypeLike = jnp.float32,
 ) -> KVCache:
     """An all-zero cache (with all-zero scales when `dtype` is int8 / fp8)."""
     return _zeros(num_layers, (num_kv_heads, num_blocks, block_size, head_dim),
@@ -98,10 +102,11 @@ def _zeros(num_layers: int, shape: tuple[int, ...], dtype: jnp.dtype) -> KVCache
     def many(shp, dt):
         return tuple(jnp.zeros(shp, dt) for _ in range(num_layers))
 
+    pages = many(shape, kv_quant.bits_dtype(dtype)), many(shape, kv_quant.bits_dtype(dtype))
     if not kv_quant.is_quantized(dtype):
-        return KVCache(many(shape, dtype), many(shape, dtype))
-    return KVCache(many(shape, dtype), many(shape, dtype),
-                   many(shape[:-1], kv_quant.SCALE_DTYPE), many(shape[:-1], kv_quant.SCALE_DTYPE))
+        return KVCache(*pages, dtype=dtype)
+    return KVCache(*pages, many(shape[:-1], kv_quant.SCALE_DTYPE),
+                   many(shape[:-1], kv_quant.SCALE_DTYPE), dtype=dtype)
 
 
 def kv_cache_bytes(
@@ -113,33 +118,32 @@ def kv_cache_bytes(
 
 
 def write_layer(
-    k_pages: Shaped[Array, "H N K D"],
-    v_pages: Shaped[Array, "H N K D"],
+    k_pages: Pages,
+    v_pages: Pages,
     cache_positions: Int[Array, "T"],
     k: Float[Array, "T H D"],
     v: Float[Array, "T H D"],
-    k_scale: Float[Array, "H N K"] | None = None,
-    v_scale: Float[Array, "H N K"] | None = None,
-) -> tuple[Array, ...]:
+) -> tuple[Pages, Pages]:
     """Scatters the new tokens' K/V of one layer at their cache positions; padding (< 0) is
-    dropped. With scales (a quantized cache) each token's row is quantized on the way in.
-
-    Returns:
-      (k_pages, v_pages) or, with scales, (k_pages, v_pages, k_scale, v_scale).
-    """
+    dropped. For an int8 / fp8 cache each token's row is quantized on the way in."""
     n, bs = k_pages.shape[1], k_pages.shape[2]
     # Positions inside the zero block are never handed out; a negative one is padding.
     block = jnp.where(cache_positions >= bs, cache_positions // bs, n)
     off = cache_positions % bs
 
     def put(pages, x):  # (block, off) next to each other keep their place: x is [H, T, ...]
-        return pages.at[:, block, off].set(jnp.swapaxes(x, 0, 1).astype(pages.dtype),
-                                           mode="drop")
+        return pages.at[:, block, off].set(jnp.swapaxes(x, 0, 1), mode="drop")
 
-    if k_scale is None:
-        return put(k_pages, k), put(v_pages, v)
-    (kq, ks), (vq, vs) = kv_quant.quantize(k, k_pages.dtype), kv_quant.quantize(v, v_pages.dtype)
-    return put(k_pages, kq), put(v_pages, vq), put(k_scale, ks), put(v_scale, vs)
+    def one(pages: Pages, x: Float[Array, "T H D"]) -> Pages:
+        if pages.scale is None:
+            return dataclasses.replace(pages, values=put(pages.values,
+                                                         kv_quant.to_bits(x, pages.dtype)))
+        xq, xs = kv_quant.quantize(x, pages.dtype)
+        return dataclasses.replace(pages, values=put(pages.values,
+                                                     kv_quant.to_bits(xq, pages.dtype)),
+                                   scale=put(pages.scale, xs))
+
+    return one(k_pages, k), one(v_pages, v)
 
 
 def write(
@@ -150,10 +154,8 @@ def write(
     v: Float[Array, "T H D"],
 ) -> KVCache:
     """`write_layer` on layer `layer` (a static int) of the cache."""
-    k_pages, v_pages, *scales = cache.layer(layer)
-    new = write_layer(k_pages, v_pages, cache_positions, k, v, *scales)
     layers = [cache.layer(i) for i in range(cache.num_layers)]
-    layers[layer] = new
+    layers[layer] = write_layer(*layers[layer], cache_positions, k, v)
     return KVCache.of_layers(layers)
 
 
@@ -177,7 +179,7 @@ def write_blocks(cache: KVCache, blocks: Int[Array, "M"], *parts: Array) -> KVCa
     put = lambda x, y: x.at[:, dst].set(y.astype(x.dtype), mode="drop")  # noqa: E731
     fields = [tuple(put(x, y) for x, y in zip(field, part, strict=True))
               for field, part in zip(_fields(cache), parts, strict=True)]
-    return KVCache(*fields)
+    return KVCache(*fields, dtype=cache.dtype)
 
 
 def _fields(cache: KVCache) -> tuple[tuple[Array, ...], ...]:
@@ -188,17 +190,14 @@ def _fields(cache: KVCache) -> tuple[tuple[Array, ...], ...]:
 def gather_sequence(
     cache: KVCache, layer: int, table: PageTable, slot: int
 ) -> tuple[Float[Array, "T H D"], Float[Array, "T H D"]]:
-    """K and V of sequence `slot` in logical order, its first seq_len tokens (host-side helper)."""
+    """K and V of sequence `slot` in logical order, its first seq_len tokens (host-side helper),
+    as stored: the model writes int8 K/V rotated (kv_quant.rotation)."""
     n_tok = int(table.seq_lens[slot])
     blocks = table.block_tables[slot]
-    k_pages, v_pages, *scales = cache.layer(layer)
 
-    def read(pages: Array, scale: Array | None) -> Float[Array, "T H D"]:
-        x = pages[:, blocks]  # [H, P, K, D]
-        if scale is not None:
-            x = kv_quant.dequantize(x, scale[:, blocks])
+    def read(pages: Pages) -> Float[Array, "T H D"]:
+        x = pages.take(blocks)  # [H, P, K, D]
         x = x.reshape(x.shape[0], -1, x.shape[-1])[:, :n_tok]
         return jnp.swapaxes(x, 0, 1)
 
-    ks, vs = scales or (None, None)
-    return read(k_pages, ks), read(v_pages, vs)
+    return tuple(read(x) for x in cache.layer(layer))

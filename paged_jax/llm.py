@@ -104,8 +104,7 @@ class LLM:
         on CPU pass kv_cache_memory).
       kv_cache_dtype: "auto" (= dtype), "float32", "bfloat16", "int8", "fp8" (e4m3) or
         "fp8_e5m2": int8 / fp8 hold about 4x the blocks of float32 in the same memory (a
-        float32 scale per token and KV head included); read by the reference and cpu
-        attention backends (not Pallas yet).
+        float32 scale per token and KV head included); every attention backend reads them.
       model_parts: (config, params, tokenizer) to use instead of loading `model`.
     """
 

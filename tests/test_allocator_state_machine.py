@@ -22,6 +22,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from paged_jax import kv_quant
 from paged_jax.config import CacheConfig
 from paged_jax.invariants import check_invariants
 from paged_jax.kv_cache import init_kv_cache
@@ -41,11 +42,13 @@ _add = jax.jit(add_sequence)
 
 
 class AllocatorMachine(RuleBasedStateMachine):
+    KV_DTYPE, RTOL = jnp.float32, 0.0  # the cache's dtype, and how exactly values read back
+
     def __init__(self):
         super().__init__()
         self.pool = init_pool(CFG.num_blocks)
         self.table = init_page_table(CFG)
-        self.cache = init_kv_cache(1, 1, CFG.num_blocks, CFG.block_size, 1)
+        self.cache = init_kv_cache(1, 1, CFG.num_blocks, CFG.block_size, 1, self.KV_DTYPE)
         self.values = {}  # slot -> list of token values
         self.blocks = {}  # slot -> list of abstract block ids
         self.fresh = itertools.count(1)
@@ -186,16 +189,17 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def contents_read_back(self):
-        k = np.asarray(self.cache.k[0][0, :, :, 0])
-        v = np.asarray(self.cache.v[0][0, :, :, 0])
+        k, v = (np.asarray(x[0, 0, :, :, 0]) for x in self.cache.stacked())  # dequantized
         tables = np.asarray(self.table.block_tables)
         for s, vals in self.values.items():
             n = len(vals)
             got_k = k[tables[s]].reshape(-1)[:n]
             got_v = v[tables[s]].reshape(-1)[:n]
-            np.testing.assert_array_equal(got_k, vals)
-            np.testing.assert_array_equal(got_v, [-x for x in vals])
-        assert not k[0].any() and not v[0].any(), "the zero block was written"
+            np.testing.assert_allclose(got_k, vals, rtol=self.RTOL)
+            np.testing.assert_allclose(got_v, [-x for x in vals], rtol=self.RTOL)
+        stored = [np.asarray(x[0][0, 0]) for x in (self.cache.k, self.cache.v,
+                                                   self.cache.k_scale, self.cache.v_scale) if x]
+        assert not any(x.any() for x in stored), "the zero block was written"
 
 
 AllocatorMachine.TestCase.settings = settings(
@@ -203,3 +207,18 @@ AllocatorMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestAllocatorMachine = AllocatorMachine.TestCase
+
+
+def _over(name: str, rtol: float):
+    """The same machine on a bfloat16 / int8 / fp8 cache: values (and scales) must follow
+    their blocks through writes, forks and copy-on-write copies; fewer examples."""
+    cls = type(f"AllocatorMachine_{name}", (AllocatorMachine,),
+               dict(KV_DTYPE=kv_quant.storage_dtype(name, jnp.float32), RTOL=rtol))
+    cls.TestCase.settings = settings(AllocatorMachine.TestCase.settings, max_examples=30)
+    return cls.TestCase
+
+
+# bfloat16 keeps 8 significant bits, e4m3 4; int8 stores each one-value row as +-127 x scale.
+TestAllocatorMachineBfloat16 = _over("bfloat16", 2.0**-8)
+TestAllocatorMachineInt8 = _over("int8", 1e-6)
+TestAllocatorMachineFp8 = _over("fp8", 2.0**-4)

@@ -98,6 +98,15 @@ def test_preemption(mode):
     same_tokens(*both(workload, preemption_mode=mode))
 
 
+@pytest.mark.parametrize("kv", ["int8"])  # fp8: tests/test_kernels_quant.py
+def test_quantized_caches(kv):
+    """int8 / fp8 pages with their scales, read by the Pallas kernels as by the reference: a
+    prefill step and decode windows (each new step shape compiles the kernels again)."""
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    same_tokens(*both(lambda eng: run(eng, [("0", PROMPTS[2], short), ("1", PROMPTS[1], short)]),
+                      kv_cache_dtype=kv))
+
+
 def test_beam_search():
     params = BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True)
     ref, pal = both(lambda eng: beam_search(eng, "beam me up", params)[0])
@@ -113,20 +122,21 @@ from tests.test_engine_pallas import GREEDY, PROMPTS, SMALL, engine
 
 for mod in (paged_attention, ragged_paged_attention):  # Triton, not the interpreter
     mod.use_interpret = lambda: False
-eng = engine(**{**SMALL, "backend": "pallas"})
-for i, p in enumerate(PROMPTS[:3]):
-    eng.add_request(str(i), p, GREEDY)
-plan = eng.scheduler.schedule()
-batch, shape, _, _ = batch_lib.build_step(plan, eng.config, [], [0], 257, "pallas")
-rows, toks, wshape, _ = batch_lib.build_window(plan, eng.config, "pallas")
-for low in (
-    step_lib.run_step.trace(eng.params, eng.state, batch, cfg=eng.step_cfg, shape=shape),
-    step_lib.decode_window.trace(eng.params, eng.state, jax.numpy.asarray(rows),
-                                 jax.numpy.asarray(toks), cfg=eng.step_cfg, window=4,
-                                 shape=wshape),
-):
-    text = low.lower(lowering_platforms=("cuda",)).as_text().lower()
-    assert "triton" in text, "the kernels were not lowered to Triton"
+for kv in ("auto", "fp8"):  # float pages, and fp8 bits with scales
+    eng = engine(**{**SMALL, "backend": "pallas", "kv_cache_dtype": kv})
+    for i, p in enumerate(PROMPTS[:3]):
+        eng.add_request(str(i), p, GREEDY)
+    plan = eng.scheduler.schedule()
+    batch, shape, _, _ = batch_lib.build_step(plan, eng.config, [], [0], 257, "pallas")
+    rows, toks, wshape, _ = batch_lib.build_window(plan, eng.config, "pallas")
+    for low in (
+        step_lib.run_step.trace(eng.params, eng.state, batch, cfg=eng.step_cfg, shape=shape),
+        step_lib.decode_window.trace(eng.params, eng.state, jax.numpy.asarray(rows),
+                                     jax.numpy.asarray(toks), cfg=eng.step_cfg, window=4,
+                                     shape=wshape),
+    ):
+        text = low.lower(lowering_platforms=("cuda",)).as_text().lower()
+        assert "triton" in text, "the kernels were not lowered to Triton"
 print("lowered")
 """
 

@@ -109,5 +109,3 @@ def test_quantized_pool_holds_more_blocks_and_bad_names_are_refused():
         LLM(model_parts=model(), kv_cache_dtype="int3")
     with pytest.raises(ValueError, match="kv_cache_dtype='int3'"):
         EngineConfig(kv_cache_dtype="int3")
-    with pytest.raises(ValueError, match="not 'pallas' yet"):
-        engine(kv_cache_dtype="int8", backend="pallas")

@@ -31,7 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels.pages import Pages
 from paged_jax import kv_cache as kv_lib
+from paged_jax import kv_quant
 from paged_jax.attention import paged_attention
 from paged_jax.kv_cache import KVCache
 from paged_jax.models.config import ModelConfig
@@ -127,13 +129,12 @@ def prepare_params(params: Params) -> Params:
 
 
 def attention_block(
-    p: Params, x: Float[Array, "T E"], kv: tuple[Array, ...], batch: tuple,
+    p: Params, x: Float[Array, "T E"], kv: tuple[Pages, Pages], batch: tuple,
     rot: tuple[Array, Array], config: ModelConfig, attn: dict,
-) -> tuple[Float[Array, "T E"], tuple[Array, ...]]:
+) -> tuple[Float[Array, "T E"], tuple[Pages, Pages]]:
     """Self-attention of one layer: project, RoPE, write K/V to the pages, paged attention.
 
-    `kv` is this layer's (k_pages, v_pages) [H, N, K, D], plus (k_scale, v_scale) [H, N, K]
-    for an int8 / fp8 cache (KVCache.layer); `rot` the (cos, sin) of
+    `kv` is this layer's (K, V) pages (KVCache.layer); `rot` the (cos, sin) of
     `rope_tables`; `attn` the static keyword arguments of `paged_attention` (max_q, backend,
     max_q_rows, decode_pages).
     """
@@ -147,10 +148,13 @@ def attention_block(
     k = qkv[:, nq:nq + nk].reshape(t, config.num_kv_heads, d)
     v = qkv[:, nq + nk:].reshape(t, config.num_kv_heads, d)
     q, k = rope(q, *rot), rope(k, *rot)
-    kv = kv_lib.write_layer(kv[0], kv[1], cache_pos, k, v, *kv[2:])
-    # A quantized layer (k, v, k_scale, v_scale) is attended as (values, scales) pairs.
-    pages = (kv[0], kv[1]) if len(kv) == 2 else ((kv[0], kv[2]), (kv[1], kv[3]))
-    o = paged_attention(q, *pages, block_tables, seq_lens, query_start, **attn)
+    spin = kv_quant.rotation(kv[0].dtype, d)  # int8 pages hold K/V rotated (kv_quant.py)
+    if spin is not None:
+        q, k, v = (y @ spin.astype(y.dtype) for y in (q, k, v))
+    kv = kv_lib.write_layer(*kv, cache_pos, k, v)
+    o = paged_attention(q, *kv, block_tables, seq_lens, query_start, **attn)
+    if spin is not None:
+        o = o @ spin.T.astype(o.dtype)
     o = o.reshape(t, -1).astype(x.dtype) @ p["wo"]
     return (o + p["bo"] if "bo" in p else o), kv
 
@@ -163,9 +167,9 @@ def mlp_block(p: Params, x: Float[Array, "T E"]) -> Float[Array, "T E"]:
 
 @functools.partial(jax.jit, static_argnames=("config", "attn"))
 def decoder_layer(
-    p: Params, x: Float[Array, "T E"], kv: tuple[Array, ...], batch: tuple,
+    p: Params, x: Float[Array, "T E"], kv: tuple[Pages, Pages], batch: tuple,
     rot: tuple[Array, Array], *, config: ModelConfig, attn: tuple,
-) -> tuple[Float[Array, "T E"], tuple[Array, ...]]:
+) -> tuple[Float[Array, "T E"], tuple[Pages, Pages]]:
     """One pre-norm decoder layer. Jitted on its own so that a forward traces it once, not
     once per layer: inside the step's program it is a call XLA inlines (the compiled code is
     that of the unrolled loop), while tracing and lowering a 30-layer step cost one layer."""
