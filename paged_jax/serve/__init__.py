@@ -1,0 +1,3 @@
+"""An OpenAI-compatible server over the engine: async_engine.py (the engine on its own
+thread), api.py (FastAPI routes), protocol.py / sse.py (OpenAI bodies and streams),
+metrics.py (Prometheus, vLLM's names), cli.py (`python -m paged_jax.serve`)."""

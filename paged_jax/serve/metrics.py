@@ -1,0 +1,79 @@
+"""Prometheus metrics of a running engine, under vLLM's metric names.
+
+Gauges are read from the engine after every step (on the engine thread); request metrics are
+recorded when a request finishes (or is aborted). Each server has its own registry, so tests
+can run several in one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from paged_jax.engine import Engine
+from paged_jax.outputs import RequestOutput
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_TPOT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+
+
+class ServerMetrics:
+    """The server's metrics; `text()` is the /metrics body."""
+
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        lab = dict(labelnames=["model_name"], registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", **lab)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled",
+                             **lab)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc",
+                              "Share of the KV pool's blocks in use (1 = full)", **lab)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache", **lab)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits",
+                                   "Prompt tokens served from the prefix cache", **lab)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests",
+                                     **lab)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", **lab)
+        self.success = Counter("vllm:request_success", "Requests finished, by reason",
+                               labelnames=["model_name", "finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY, **lab)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds",
+                              "Mean time per output token after the first", buckets=_TPOT, **lab)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency",
+                             buckets=_LATENCY, **lab)
+        self.model = model_name
+
+    def after_step(self, engine: Engine, outs: list[RequestOutput]) -> None:
+        """Gauges from the engine's state; request metrics of the requests that finished."""
+        m, sched, kv = self.model, engine.scheduler, engine.kv
+        self.running.labels(m).set(len(sched.running))
+        self.waiting.labels(m).set(len(sched.waiting))
+        self.kv_usage.labels(m).set(kv.blocks_used() / max(1, kv.config.usable_blocks))
+        for out in outs:
+            if out.finished:
+                self.finished(out)
+
+    def finished(self, out: RequestOutput) -> None:
+        m, t = self.model, out.metrics
+        self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+        self.prefix_queries.labels(m).inc(len(out.prompt_token_ids))
+        self.prefix_hits.labels(m).inc(out.num_cached_tokens or 0)
+        n = sum(len(c.token_ids) for c in out.outputs)
+        self.generation_tokens.labels(m).inc(n)
+        reason = out.outputs[0].finish_reason or "abort"
+        self.success.labels(m, reason).inc()
+        if t is None or t.first_token_time is None:
+            return
+        self.ttft.labels(m).observe(t.first_token_time - t.arrival_time)
+        end = t.finished_time or t.last_token_time or t.first_token_time
+        self.e2e.labels(m).observe(end - t.arrival_time)
+        longest = max(len(c.token_ids) for c in out.outputs)
+        if longest > 1:
+            self.tpot.labels(m).observe((end - t.first_token_time) / (longest - 1))
+
+    def aborted(self, n: int = 1) -> None:
+        self.success.labels(self.model, "abort").inc(n)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
