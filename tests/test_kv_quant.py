@@ -78,3 +78,16 @@ def test_granularity_and_claim_on_smollm2():
     assert kq_exp.claim(mem, agree, quality)["holds"]
     quality[1]["perplexity"] = 10.5  # 5% worse: the claim must fail
     assert not kq_exp.claim(mem, agree, quality)["holds"]
+
+
+def test_int8_rotation_is_orthonormal_and_helps_outlier_channels():
+    h = kq.rotation(jnp.int8, 64)
+    np.testing.assert_allclose(h @ h.T, np.eye(64), atol=1e-6)
+    assert kq.rotation(kq.storage_dtype("fp8", jnp.float32), 64) is None
+    assert kq.rotation(jnp.int8, 48) is None and kq.rotation(jnp.float32, 64) is None
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 64)).astype(np.float32)
+    x[:, :2] *= 30  # two loud channels, as keys have
+    plain = np.abs(np.asarray(kq.roundtrip(jnp.asarray(x), jnp.int8)) - x).mean()
+    spun = np.abs(np.asarray(kq.roundtrip(jnp.asarray(x @ h), jnp.int8)) @ h.T - x).mean()
+    assert spun < 0.5 * plain
