@@ -88,11 +88,10 @@ def summarize(rate: float, res: list[dict], wall: float) -> dict:
                 f"{name}_p99_ms": 1e3 * float(np.percentile(x, 99))}
 
     out_tokens = sum(r["tokens"] for r in done)
-    return dict(rate=rate, sent=len(res), done=len(done),
-                refused_503=sum(r["status"] == 503 for r in res),
-                failed=sum(r["status"] not in (200, 503) for r in res),
-                lost=len(res) - len(done) - sum(r["status"] == 503 for r in res)
-                - sum(r["status"] not in (200, 503) for r in res),
+    refused = sum(r["status"] == 503 for r in res)
+    failed = sum(r["status"] not in (200, 503) for r in res)
+    return dict(rate=rate, sent=len(res), done=len(done), refused_503=refused, failed=failed,
+                lost=len(res) - len(done) - refused - failed,
                 wall_s=wall, request_throughput=len(done) / wall,
                 output_tok_s=out_tokens / wall, **stats(ttft, "ttft"), **stats(tpot, "tpot"),
                 **stats(itl, "itl"))

@@ -59,7 +59,6 @@ def build_app(llm: LLM, model_name: str, max_pending: int = 256) -> FastAPI:
 
     app = FastAPI(title="paged-jax", lifespan=lifespan)
     app.state.served = Served(llm, model_name, engine, metrics)
-    app.state.engine = engine
     app.add_exception_handler(proto.BadRequest, _bad_request)
     app.include_router(router)
     return app
