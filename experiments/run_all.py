@@ -15,6 +15,7 @@ from experiments import (
     peers,
     preemption,
     sampling_sharing,
+    sliding_window_kv,
 )
 
 FULL = [
@@ -25,7 +26,8 @@ FULL = [
     (block_size, dict(sizes=(4, 8, 16, 32, 64, 128, 256), requests=48)),
     (sampling_sharing, dict(requests=32)),
     (preemption, dict(sizes=(8, 16, 32, 64, 128, 256), requests=32)),
-    (peers, dict(prompts=64, tokens=128)),
+    (peers, dict(prompts=64, tokens=128, extra_models=("gemma3",))),
+    (sliding_window_kv, dict()),
 ]
 
 

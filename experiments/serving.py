@@ -44,12 +44,12 @@ def tiny_model():
 
 
 @functools.cache
-def real_model(dtype: str = "float32"):
-    """(config, params, tokenizer) of the default SmolLM2-135M-Instruct."""
+def real_model(dtype: str = "float32", name: str = "smollm2"):
+    """(config, params, tokenizer) of a shipped model (the default SmolLM2-135M-Instruct)."""
     import jax.numpy as jnp
 
     from paged_jax.models import load_model
-    return load_model(None, {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype])
+    return load_model(name, {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype])
 
 
 def make_engine(parts, **config) -> Engine:

@@ -7,4 +7,5 @@ and a `__main__` checker/timer. The engine calls only `kernels.dispatch.paged_at
     ragged_paged_attention.py  chunked prefill + decode in one ragged batch: grouped | dot
     dispatch.py                picks the variant from static shapes
     gpu_check.py               `make gpu-check`: compile, validate and time on a GPU
+    gpu_validate.py            its correctness checks (every variant vs the reference)
 """

@@ -12,9 +12,10 @@
 //
 //   for each (row s, KV head h)                       task, XLA thread pool
 //     q_i,g <- q[query_start[s] + i, h * G + g] * scale      (G query heads share head h)
-//     for each page p of the row (block_tables[s, p])
+//     for each page p of the row (block_tables[s, p]) that some query's window reaches
 //       for each query i whose position reaches page p
-//         scores over the page's tokens <= position; running max m, sum l, acc += w * v
+//         scores over the page's tokens in the query's window (position - window, position];
+//         running max m, sum l, acc += w * v
 //     out <- acc / l
 //
 // q and out: f32 or bf16. K/V pages: f32 or bf16 (PagedAttention), or int8 / fp8 (e4m3fn,
@@ -101,6 +102,7 @@ struct Problem {
   const int32_t* seq_lens;
   const int32_t* query_start;
   float scale;
+  int64_t window;  // sliding window in tokens; 0 = none (every earlier key)
 };
 
 // Per-token scales of the quantized pages ([H, N, K]); null for float pages.
@@ -133,7 +135,10 @@ void attend(const Problem& pb, const T* q, const KT* k, const KT* v, Scales scal
     }
   const int64_t first_pos = len - nq;  // position of query 0
   const int64_t pages = (len + K - 1) / K;
-  for (int64_t p = 0; p < pages; ++p) {
+  const int64_t win = pb.window > 0 ? pb.window : len + 1;
+  // Pages wholly before query 0's window are never read: a local layer's decode costs its
+  // window, not its context.
+  for (int64_t p = std::max<int64_t>(0, first_pos - win + 1) / K; p < pages; ++p) {
     int64_t block = pb.block_tables[s * pb.pages_per_row + p];
     block = std::clamp<int64_t>(block, 0, pb.num_blocks - 1);  // a bad table cannot read out
     const int64_t base = (h * pb.num_blocks + block) * K;  // first token of the page
@@ -142,11 +147,13 @@ void attend(const Problem& pb, const T* q, const KT* k, const KT* v, Scales scal
     const int64_t tok0 = p * K;
     for (int64_t i = std::max<int64_t>(0, tok0 - first_pos); i < nq; ++i) {
       const int64_t nt = std::min(K, first_pos + i - tok0 + 1);  // tokens <= position
+      const int64_t t0 = std::max<int64_t>(0, first_pos + i - win + 1 - tok0);  // in window
+      if (t0 >= nt) continue;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = i * G + g;
         const float* qr = qv + r * D;
         float mx = m[r];
-        for (int64_t t = 0; t < nt; ++t) {
+        for (int64_t t = t0; t < nt; ++t) {
           const float* kr = kb + t * D;
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -157,14 +164,14 @@ void attend(const Problem& pb, const T* q, const KT* k, const KT* v, Scales scal
         const float corr = std::exp(m[r] - mx);  // 0 on the first page (m = kNoScore)
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < nt; ++t) {  // vectorized exp (libmvec, -ffast-math)
+        for (int64_t t = t0; t < nt; ++t) {  // vectorized exp (libmvec, -ffast-math)
           sc[t] = std::exp(sc[t] - mx);
           sum += sc[t];
         }
         float* ar = acc + r * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
-        for (int64_t t = 0; t < nt; ++t) {
+        for (int64_t t = t0; t < nt; ++t) {
           const float w = sc[t];
           const float* vr = vb + t * D;
 #pragma omp simd
@@ -212,10 +219,11 @@ void run_tasks(ffi::ThreadPool& pool, const Problem& pb, const T* q, const KT* k
 template <typename T, typename KT>
 ffi::Error launch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                   Scales scales, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
-                  ffi::Buffer<ffi::S32> starts, float scale, ffi::Result<ffi::AnyBuffer> out) {
+                  ffi::Buffer<ffi::S32> starts, float scale, int32_t window,
+                  ffi::Result<ffi::AnyBuffer> out) {
   auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   Problem pb{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[0], td[1],
-             tables.typed_data(), lens.typed_data(), starts.typed_data(), scale};
+             tables.typed_data(), lens.typed_data(), starts.typed_data(), scale, window};
   if (pb.num_kv_heads <= 0 || pb.num_q_heads % pb.num_kv_heads != 0 || kd[3] != pb.head_dim)
     return ffi::Error::InvalidArgument("paged attention: inconsistent q / k shapes");
   T* o = static_cast<T*>(out->untyped_data());
@@ -232,13 +240,13 @@ template <typename T>
 ffi::Error launch_float(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::Buffer<ffi::S32> tables,
                         ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> starts, float scale,
-                        ffi::Result<ffi::AnyBuffer> out) {
+                        int32_t window, ffi::Result<ffi::AnyBuffer> out) {
   switch (k.element_type()) {
     case ffi::DataType::F32:
-      return launch<T, float>(pool, q, k, v, {}, tables, lens, starts, scale, out);
+      return launch<T, float>(pool, q, k, v, {}, tables, lens, starts, scale, window, out);
     case ffi::DataType::BF16:
     case ffi::DataType::U16:  // bfloat16 pages stored as their bits (kernels/pages.py)
-      return launch<T, uint16_t>(pool, q, k, v, {}, tables, lens, starts, scale, out);
+      return launch<T, uint16_t>(pool, q, k, v, {}, tables, lens, starts, scale, window, out);
     default:
       return ffi::Error::InvalidArgument("paged attention: K/V must be float32 or bfloat16");
   }
@@ -246,14 +254,15 @@ ffi::Error launch_float(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
 
 ffi::Error dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
-                    ffi::Buffer<ffi::S32> starts, float scale, ffi::Result<ffi::AnyBuffer> out) {
+                    ffi::Buffer<ffi::S32> starts, float scale, int32_t window,
+                    ffi::Result<ffi::AnyBuffer> out) {
   if (k.element_type() != v.element_type() || out->element_type() != q.element_type())
     return ffi::Error::InvalidArgument("paged attention: k / v and q / out must share dtypes");
   switch (q.element_type()) {
     case ffi::DataType::F32:
-      return launch_float<float>(pool, q, k, v, tables, lens, starts, scale, out);
+      return launch_float<float>(pool, q, k, v, tables, lens, starts, scale, window, out);
     case ffi::DataType::BF16:
-      return launch_float<uint16_t>(pool, q, k, v, tables, lens, starts, scale, out);
+      return launch_float<uint16_t>(pool, q, k, v, tables, lens, starts, scale, window, out);
     default:
       return ffi::Error::InvalidArgument("paged attention: q must be float32 or bfloat16");
   }
@@ -263,17 +272,18 @@ template <typename T>
 ffi::Error launch_quant(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, Scales sc, ffi::Buffer<ffi::S32> tables,
                         ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> starts, float scale,
-                        ffi::Result<ffi::AnyBuffer> out, bool e5m2) {
+                        int32_t window, ffi::Result<ffi::AnyBuffer> out, bool e5m2) {
   switch (k.element_type()) {
     case ffi::DataType::U8:  // fp8 pages stored as their bits (kernels/pages.py)
-      if (e5m2) return launch<T, E5M2>(pool, q, k, v, sc, tables, lens, starts, scale, out);
-      return launch<T, E4M3>(pool, q, k, v, sc, tables, lens, starts, scale, out);
+      if (e5m2)
+        return launch<T, E5M2>(pool, q, k, v, sc, tables, lens, starts, scale, window, out);
+      return launch<T, E4M3>(pool, q, k, v, sc, tables, lens, starts, scale, window, out);
     case ffi::DataType::S8:
-      return launch<T, int8_t>(pool, q, k, v, sc, tables, lens, starts, scale, out);
+      return launch<T, int8_t>(pool, q, k, v, sc, tables, lens, starts, scale, window, out);
     case ffi::DataType::F8E4M3FN:
-      return launch<T, E4M3>(pool, q, k, v, sc, tables, lens, starts, scale, out);
+      return launch<T, E4M3>(pool, q, k, v, sc, tables, lens, starts, scale, window, out);
     case ffi::DataType::F8E5M2:
-      return launch<T, E5M2>(pool, q, k, v, sc, tables, lens, starts, scale, out);
+      return launch<T, E5M2>(pool, q, k, v, sc, tables, lens, starts, scale, window, out);
     default:
       return ffi::Error::InvalidArgument("paged attention: quantized K/V must be int8 or fp8");
   }
@@ -283,15 +293,17 @@ ffi::Error dispatch_quant(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
                           ffi::AnyBuffer v, ffi::Buffer<ffi::F32> k_scale,
                           ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> tables,
                           ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> starts, float scale,
-                          int32_t e5m2, ffi::Result<ffi::AnyBuffer> out) {
+                          int32_t window, int32_t e5m2, ffi::Result<ffi::AnyBuffer> out) {
   if (k.element_type() != v.element_type() || out->element_type() != q.element_type())
     return ffi::Error::InvalidArgument("paged attention: k / v and q / out must share dtypes");
   const Scales sc{k_scale.typed_data(), v_scale.typed_data()};
   switch (q.element_type()) {
     case ffi::DataType::F32:
-      return launch_quant<float>(pool, q, k, v, sc, tables, lens, starts, scale, out, e5m2);
+      return launch_quant<float>(pool, q, k, v, sc, tables, lens, starts, scale, window, out,
+                                     e5m2);
     case ffi::DataType::BF16:
-      return launch_quant<uint16_t>(pool, q, k, v, sc, tables, lens, starts, scale, out, e5m2);
+      return launch_quant<uint16_t>(pool, q, k, v, sc, tables, lens, starts, scale, window, out,
+                                     e5m2);
     default:
       return ffi::Error::InvalidArgument("paged attention: q must be float32 or bfloat16");
   }
@@ -309,6 +321,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttention, dispatch,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens [S]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start [S + 1]
                                   .Attr<float>("scale")
+                                  .Attr<int32_t>("window")       // 0 = no sliding window
                                   .Ret<ffi::AnyBuffer>());       // out [T, Q, D]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionQuant, dispatch_quant,
@@ -323,5 +336,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionQuant, dispatch_quant,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens [S]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start [S + 1]
                                   .Attr<float>("scale")
+                                  .Attr<int32_t>("window")       // 0 = no sliding window
                                   .Attr<int32_t>("e5m2")         // uint8 pages hold e5m2
                                   .Ret<ffi::AnyBuffer>());       // out [T, Q, D]

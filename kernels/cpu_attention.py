@@ -107,10 +107,12 @@ def load(folder: str) -> bool:
 
 
 def paged_attention(q, k_pages: PagesLike, v_pages: PagesLike, block_tables, seq_lens,
-                    query_start, *, scale: float):
+                    query_start, *, scale: float, window: int | None = None):
     """The kernel on one layer (call `load` first); shapes as in paged_jax.attention. Pages
     are read as stored (kernels/pages.py): float32 / bfloat16, or int8 / fp8 with per-token
-    scales, bfloat16 and fp8 possibly as their bits; never cast or copied here."""
+    scales, bfloat16 and fp8 possibly as their bits; never cast or copied here. `window`: a
+    query sees only its last `window` keys (sliding-window layers); pages before every
+    query's window are skipped."""
     k_pages, v_pages = as_pages(k_pages), as_pages(v_pages)
     dtype = q.dtype if q.dtype in (jnp.float32, jnp.bfloat16) else jnp.float32
     ints = [x.astype(jnp.int32) for x in (block_tables, seq_lens, query_start)]
@@ -120,13 +122,14 @@ def paged_attention(q, k_pages: PagesLike, v_pages: PagesLike, block_tables, seq
         call = jax.ffi.ffi_call(TARGET_QUANT, out_shape)
         out = call(q.astype(dtype), k_pages.values, v_pages.values,
                    k_pages.scale.astype(jnp.float32), v_pages.scale.astype(jnp.float32), *ints,
-                   scale=np.float32(scale), e5m2=np.int32(kv == jnp.float8_e5m2))
+                   scale=np.float32(scale), window=np.int32(window or 0),
+                   e5m2=np.int32(kv == jnp.float8_e5m2))
     else:
         cast = (lambda x: x) if kv in (jnp.float32, jnp.bfloat16) else (  # noqa: E731
             lambda x: x.astype(jnp.float32))  # e.g. float16 pages: the kernel reads f32 / bf16
         out = jax.ffi.ffi_call(TARGET, out_shape)(
             q.astype(dtype), cast(k_pages.values), cast(v_pages.values), *ints,
-            scale=np.float32(scale))
+            scale=np.float32(scale), window=np.int32(window or 0))
     return out.astype(q.dtype)
 
 

@@ -52,12 +52,14 @@ def paged_attention(
     *,
     max_q: int,
     scale: float,
+    window: int | None = None,
 ) -> Float[Array, "T Q D"]:
     """Same contract as `paged_jax.attention.paged_attention` (backend "pallas")."""
     if max_q > 1:
         return ragged_paged_attention(
             q, k_pages, v_pages, block_tables, seq_lens, query_start,
             max_q=max_q, variant=ragged_variant(as_pages(k_pages).shape[2]), scale=scale,
+            window=window,
         )
     t, nq, _ = q.shape
     nseq, pages = block_tables.shape
@@ -67,7 +69,7 @@ def paged_attention(
     has_q = query_start[1:] > start
     out = decode_attention(
         q[jnp.clip(start, 0, t - 1)], k_pages, v_pages, block_tables, seq_lens,
-        variant=variant, num_splits=splits, scale=scale,
+        variant=variant, num_splits=splits, scale=scale, window=window,
     )
     # Sequences with no query this step (padding rows) write nothing.
     dest = jnp.where(has_q, start, t)

@@ -3,8 +3,9 @@
     PYTHONPATH=. python3 -m kernels.gpu_check [--out DIR] [--budget-s 240] [--dry-run]
 
 1. measures the device's copy bandwidth (read + write of a large buffer);
-2. compiles every decode / ragged variant for SmolLM2 (9/3 heads, D=64) and a Llama-like
-   (32/8, D=128) config in fp32 and bf16 and checks it against the jnp reference;
+2. compiles every decode / ragged variant and checks it against the jnp reference
+   (kernels/gpu_validate.py: SmolLM2 and Llama-like heads, fp32 / bf16 / int8 / fp8 pages,
+   Gemma 3's shape with a sliding window);
 3. times decode attention, block 16, bf16, Llama-like heads, for a batch x context grid:
    ours (dispatch's choice, "grouped", "split") vs (a) dense attention on a contiguous
    [B, T, H, D] cache (XLA) and (b) jax.experimental.pallas.ops.gpu.paged_attention (same
@@ -35,7 +36,6 @@ BATCHES = (1, 8, 32, 128, 256)
 CONTEXTS = (512, 2048, 8192, 32768)
 BLOCK = 16
 BENCH_HEADS = (32, 8, 128)  # query heads, KV heads, head dim (Llama-3-8B-like)
-CHECK_CONFIGS = ((9, 3, 64), (32, 8, 128))
 DEFAULT_MAX_KV_GIB = 8.0
 PREFILL_CHUNK = 128  # query tokens of the prefill rows of a ragged step
 _flush_buffer = None
@@ -114,81 +114,6 @@ def copy_bandwidth(iters: int) -> float:
     x = jnp.ones((2**29,), jnp.float32)
     f = jax.jit(lambda a: a * 1.0001)
     return 2 * x.nbytes / timeit(f, x, iters=iters, flush=False) / 1e9
-
-
-def validate() -> list[dict]:
-    """Every variant, both model configs, fp32 and bf16, decode and ragged, vs the reference."""
-    import jax
-    import jax.numpy as jnp
-
-    from kernels.paged_attention import decode_attention, decode_reference, random_decode_inputs
-    from kernels.ragged_paged_attention import (
-        ragged_paged_attention,
-        ragged_reference,
-        random_ragged_inputs,
-    )
-
-    rows, key = [], jax.random.PRNGKey(0)
-    for nq, h, d in CHECK_CONFIGS:
-        for dtype in (jnp.float32, jnp.bfloat16):
-            tol = 2e-3 if dtype == jnp.float32 else 3e-2  # tf32 dots on GPU
-            args = random_decode_inputs(key, 8, nq, h, d, BLOCK, 16, dtype)
-            ref = decode_reference(*args)
-            for variant in ("grouped", "dot", "split"):
-                run = functools.partial(decode_attention, *args, variant=variant, num_splits=4)
-                rows.append(_check("decode", variant, nq, h, d, dtype, run, ref, tol))
-            args = random_ragged_inputs(key, 8, nq, h, d, BLOCK, 16, 16, dtype)
-            ref = ragged_reference(*args, max_q=16)
-            for variant in ("grouped", "dot"):
-                run = functools.partial(ragged_paged_attention, *args, max_q=16, variant=variant)
-                rows.append(_check("ragged", variant, nq, h, d, dtype, run, ref, tol))
-        for kind in ("int8", "fp8"):  # stored pages with per-token scales, f32 queries
-            q, k, v, *rest = random_decode_inputs(key, 8, nq, h, d, BLOCK, 16, jnp.float32)
-            args = (q, stored_pages(k, kind), stored_pages(v, kind), *rest)
-            ref = decode_reference(*args)
-            for variant in ("grouped", "dot", "split"):
-                run = functools.partial(decode_attention, *args, variant=variant, num_splits=4)
-                rows.append(_check("decode", variant, nq, h, d, kind, run, ref, 2e-3))
-    return rows
-
-
-def stored_pages(x, kind: str):
-    """Float pages (NaN in free slots) as int8 values or fp8 bits with per-token scales, NaN
-    scales where the values were NaN: what an int8 / fp8 cache holds (kernels/pages.py)."""
-    import jax
-    import jax.numpy as jnp
-
-    from kernels.pages import Pages
-
-    free = jnp.isnan(x).any(-1)
-    scale = jnp.where(free, jnp.nan, 1 / 32)
-    y = jnp.nan_to_num(x) * 32
-    if kind == "int8":
-        return Pages(jnp.clip(jnp.round(y), -127, 127).astype(jnp.int8), scale,
-                     jnp.dtype(jnp.int8))
-    bits = jax.lax.bitcast_convert_type(y.astype(jnp.float8_e4m3fn), jnp.uint8)
-    return Pages(bits, scale, jnp.dtype(jnp.float8_e4m3fn))
-
-
-def _check(kind, variant, nq, h, d, dtype, run, ref, tol) -> dict:
-    """Runs `run()` and compares with `ref`; a compile or run error is a failed check (the
-    rest of the report is still written)."""
-    import jax.numpy as jnp
-
-    name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
-    row = dict(kind=kind, variant=variant, heads=f"{nq}/{h}", d=d, dtype=name)
-    try:
-        out = run()
-    except Exception as e:
-        row.update(ok=False, max_err=None, error=f"{type(e).__name__}: {e}"[:300])
-        print(f"check {kind:6} {variant:8} {nq:2d}/{h} D={d:3d} FAIL {row['error']}", flush=True)
-        return row
-    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
-    ok = bool(jnp.all(jnp.isfinite(out))) and err < tol
-    row.update(max_err=err, ok=ok)
-    print(f"check {kind:6} {variant:8} {nq:2d}/{h} D={d:3d} {row['dtype']:8} "
-          f"err={err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
-    return row
 
 
 def bench_inputs(batch: int, ctx: int):
@@ -331,6 +256,8 @@ def run_kernels(budget_s: float, max_kv_gib: float = DEFAULT_MAX_KV_GIB,
     t0 = time.perf_counter()
     copy_gbps = copy_bandwidth(iters)
     print(f"device {jax.devices()[0].device_kind}: copy bandwidth {copy_gbps:.0f} GB/s")
+    from kernels.gpu_validate import validate
+
     checks, rows = validate(), []
     for batch, ctx in grid(max_kv_gib):
         if time.perf_counter() - t0 > budget_s:

@@ -157,7 +157,7 @@ def split_refs(refs: tuple, quantized: bool) -> tuple[Ref | None, Ref | None, tu
 def _decode_kernel(
     q_ref, k_ref, v_ref, *refs,
     scale: float, pages_per_split: int, use_dot: bool, split: bool, kv_dtype: DType,
-    quantized: bool,
+    quantized: bool, window: int | None,
 ) -> None:
     ks_ref, vs_ref, (bt_ref, len_ref, *out_refs) = split_refs(refs, quantized)
     s, h, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -167,18 +167,22 @@ def _decode_kernel(
     length = len_ref[s]
     first = part * pages_per_split
     n = jnp.clip(pl.cdiv(length, block) - first, 0, pages_per_split)
+    lo = 0  # first key the query sees: pages before it are skipped, not masked
+    if window is not None:
+        lo = jnp.maximum(length - window, 0)
 
     def body(j, state):
         i = first + j
         page = bt_ref[s, i]
         kpos = i * block + jnp.arange(block)
-        valid = kpos < length
+        valid = (kpos < length) & (kpos >= lo)
         k = load_page(k_ref, h, page, valid, dt, kv_dtype, ks_ref)
         v = load_page(v_ref, h, page, valid, dt, kv_dtype, vs_ref)
         scores = jnp.where(valid[None, :], qk(q, k, use_dot), -jnp.inf)
         return online_update(state, scores, v, use_dot)
 
-    o, m, den = jax.lax.fori_loop(0, n, body, init_state(*q.shape))
+    start = jnp.clip(lo // block - first, 0, n)
+    o, m, den = jax.lax.fori_loop(start, n, body, init_state(*q.shape))
     if split:
         o_ref, m_ref, den_ref = out_refs
         o_ref[...], m_ref[...], den_ref[...] = o, m, den
@@ -221,7 +225,8 @@ def _decode_outputs(nseq: int, h: int, splits: int, gp: int, d: int, dtype) -> t
 
 
 @functools.partial(
-    jax.jit, static_argnames=("variant", "scale", "num_splits", "interpret", "num_warps")
+    jax.jit,
+    static_argnames=("variant", "scale", "num_splits", "interpret", "num_warps", "window"),
 )
 def decode_attention(
     q: Float[Array, "S Q D"],
@@ -235,20 +240,20 @@ def decode_attention(
     num_splits: int = 1,
     interpret: bool | None = None,
     num_warps: int = 4,
+    window: int | None = None,
 ) -> Float[Array, "S Q D"]:
     """One query token per sequence attending to its first seq_lens[s] cached tokens.
 
     Args:
       q: [S, Q, D] the query of each sequence (its position is seq_lens[s] - 1).
-      k_pages, v_pages: one layer of the paged cache: [H, N, K, D] float pages, or int8 /
-        fp8 ones with per-token scales (kernels/pages.py).
+      k_pages, v_pages: one layer's pages: float, or int8 / fp8 with scales (pages.py).
       block_tables: [S, P] physical block per logical block (padding -> zero block 0).
       seq_lens: [S] context lengths including the query token; 0 = padding (output 0).
-      variant: "grouped" | "dot" | "split" (see the module docstring).
+      variant: "grouped" | "dot" | "split" (module docstring).
       num_splits: pages partitions for "split" (P is padded up to a multiple of it).
+      window: the query sees only its last `window` keys (None: all).
 
-    Returns:
-      [S, Q, D] attention output in q's dtype.
+    Returns: [S, Q, D] attention output in q's dtype.
     """
     nseq, nq, d = q.shape
     kv_ops, kv_dtype, quantized = page_operands(k_pages, v_pages)
@@ -268,7 +273,7 @@ def decode_attention(
     out_specs, out_shape = _decode_outputs(nseq, h, splits if split else 0, gp, d, q.dtype)
     kernel = functools.partial(
         _decode_kernel, scale=scale, pages_per_split=pps, use_dot=use_dot, split=split,
-        kv_dtype=kv_dtype, quantized=quantized,
+        kv_dtype=kv_dtype, quantized=quantized, window=window,
     )
     outs = pl.pallas_call(
         kernel,

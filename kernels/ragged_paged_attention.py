@@ -61,7 +61,8 @@ VARIANTS = ("grouped", "dot")
 
 
 def _ragged_kernel(
-    q_ref, k_ref, v_ref, *refs, scale: float, use_dot: bool, kv_dtype: DType, quantized: bool
+    q_ref, k_ref, v_ref, *refs, scale: float, use_dot: bool, kv_dtype: DType, quantized: bool,
+    window: int | None,
 ) -> None:
     ks_ref, vs_ref, (bt_ref, len_ref, nq_ref, o_ref) = split_refs(refs, quantized)
     s, h, qb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -76,6 +77,9 @@ def _ragged_kernel(
     # Keys past the block's last visible position are never needed.
     last = length - nq + jnp.minimum(qb * bq + bq, nq)
     n = jnp.maximum(pl.cdiv(last, block), 0)
+    lo = 0  # pages before the tile's first query's window are skipped
+    if window is not None:
+        lo = jnp.clip((length - nq + qb * bq - window + 1) // block, 0, n)
 
     def body(i, state):
         page = bt_ref[s, i]
@@ -83,10 +87,12 @@ def _ragged_kernel(
         k = load_page(k_ref, h, page, kpos < length, dt, kv_dtype, ks_ref)
         v = load_page(v_ref, h, page, kpos < length, dt, kv_dtype, vs_ref)
         see = (kpos[None, :] <= qpos[:, None]) & row_ok[:, None]
+        if window is not None:
+            see &= kpos[None, :] > qpos[:, None] - window
         scores = jnp.where(see, qk(q, k, use_dot), -jnp.inf)
         return online_update(state, scores, v, use_dot)
 
-    o, _, den = jax.lax.fori_loop(0, n, body, init_state(bq * gp, d))
+    o, _, den = jax.lax.fori_loop(lo, n, body, init_state(bq * gp, d))
     o_ref[...] = normalize(o, den).reshape(bq, gp, d).astype(o_ref.dtype)
 
 
@@ -119,7 +125,7 @@ def _pack_queries(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("max_q", "variant", "scale", "interpret", "num_warps")
+    jax.jit, static_argnames=("max_q", "variant", "scale", "interpret", "num_warps", "window")
 )
 def ragged_paged_attention(
     q: Float[Array, "T Q D"],
@@ -134,10 +140,12 @@ def ragged_paged_attention(
     scale: float | None = None,
     interpret: bool | None = None,
     num_warps: int = 4,
+    window: int | None = None,
 ) -> Float[Array, "T Q D"]:
     """Causal attention of a ragged batch over the paged cache (see paged_jax.attention).
 
-    Args: as `paged_jax.attention.paged_attention`, plus `variant` ("grouped" | "dot").
+    Args: as `paged_jax.attention.paged_attention` (`window` included), plus `variant`
+    ("grouped" | "dot").
 
     Returns:
       [T, Q, D] output in q's dtype, zeros for padding tokens.
@@ -163,7 +171,7 @@ def ragged_paged_attention(
     tile = pl.BlockSpec((None, None, bq, gp, d), lambda s, i, b: (s, i, b, 0, 0))
     out = pl.pallas_call(
         functools.partial(_ragged_kernel, scale=scale, use_dot=use_dot, kv_dtype=kv_dtype,
-                          quantized=quantized),
+                          quantized=quantized, window=window),
         grid=(nseq, h, mq // bq),
         in_specs=[tile] + [any_spec] * (len(kv_ops) + 3),
         out_specs=tile,

@@ -43,7 +43,8 @@ QUERY_TILE = 16
 
 
 def split_reference(q, k_pages, v_pages, block_tables, seq_lens, query_start, max_q: int,
-                    scale: float, max_q_rows: int | None, decode_pages: int | None):
+                    scale: float, max_q_rows: int | None, decode_pages: int | None,
+                    window: int | None = None):
     """Reference on two row groups: long rows in query tiles, single-query rows on a flat
     list of their pages."""
     s, p = block_tables.shape
@@ -52,10 +53,12 @@ def split_reference(q, k_pages, v_pages, block_tables, seq_lens, query_start, ma
     out = None
     if rows:
         out = tiled_reference(q, k_pages, v_pages, block_tables[:rows], seq_lens[:rows],
-                              query_start[: rows + 1], max_q=max_q, scale=scale)
+                              query_start[: rows + 1], max_q=max_q, scale=scale,
+                              window=window)
     if rows < s:
         tail = flat_decode_reference(q, k_pages, v_pages, block_tables[rows:], seq_lens[rows:],
-                                     query_start[rows:], num_pages=pages, scale=scale)
+                                     query_start[rows:], num_pages=pages, scale=scale,
+                                     window=window)
         # Each output token belongs to exactly one group; the other group leaves it zero.
         out = tail if out is None else out + tail
     return out
@@ -71,6 +74,7 @@ def flat_decode_reference(
     *,
     num_pages: int,
     scale: float,
+    window: int | None = None,
 ) -> Float[Array, "T Q D"]:
     """Attention of rows with at most one query each, over one flat list of their live pages.
 
@@ -98,7 +102,10 @@ def flat_decode_reference(
     r = jnp.minimum(row, s - 1)
     idx = j - (ends - held)[r]
     page = jnp.where(row < s, block_tables[r, jnp.clip(idx, 0, p - 1)], 0)
-    valid = (row < s)[:, None] & (idx[:, None] * kb + jnp.arange(kb) < lens[r][:, None])
+    kpos = idx[:, None] * kb + jnp.arange(kb)
+    valid = (row < s)[:, None] & (kpos < lens[r][:, None])
+    if window is not None:  # the query sits at lens - 1 and sees its last `window` keys
+        valid &= kpos >= lens[r][:, None] - window
     qr = q[jnp.clip(start, 0, t - 1)].reshape(s, h, nq // h, d)
     keys = _take(k_pages, page)  # [H, NP, K, D]
     scores = jnp.einsum("phgd,hpkd->phgk", qr[r].astype(jnp.float32), keys) * scale
@@ -125,6 +132,7 @@ def tiled_reference(
     *,
     max_q: int,
     scale: float,
+    window: int | None = None,
 ) -> Float[Array, "T Q D"]:
     """`ragged_reference` computed over tiles of QUERY_TILE queries, each inside one row.
 
@@ -144,7 +152,8 @@ def tiled_reference(
     valid = (j < ends[-1])[:, None] & (qi < num_q[row][:, None])
     return _attend(q, k_pages, v_pages, block_tables[row], seq_lens[row],
                    tok=query_start[row][:, None] + qi,
-                   qpos=(seq_lens - num_q)[row][:, None] + qi, valid=valid, scale=scale)
+                   qpos=(seq_lens - num_q)[row][:, None] + qi, valid=valid, scale=scale,
+                   window=window)
 
 
 def ragged_reference(
@@ -157,13 +166,17 @@ def ragged_reference(
     *,
     max_q: int,
     scale: float,
+    window: int | None = None,
 ) -> Float[Array, "T Q D"]:
-    """Dense jnp reference: gather each sequence's pages, mask exactly, softmax in fp32."""
+    """Dense jnp reference: gather each sequence's pages, mask exactly, softmax in fp32.
+
+    `window`: sliding-window attention: a query at position i sees keys i - window + 1 .. i
+    (Hugging Face's and llama.cpp's convention); None = every earlier key."""
     num_q = query_start[1:] - query_start[:-1]
     i = jnp.arange(max_q)[None, :]
     return _attend(q, k_pages, v_pages, block_tables, seq_lens,
                    tok=query_start[:-1, None] + i, qpos=(seq_lens - num_q)[:, None] + i,
-                   valid=i < num_q[:, None], scale=scale)
+                   valid=i < num_q[:, None], scale=scale, window=window)
 
 
 def _attend(
@@ -177,6 +190,7 @@ def _attend(
     qpos: Int[Array, "R M"],
     valid: Bool[Array, "R M"],
     scale: float,
+    window: int | None = None,
 ) -> Float[Array, "T Q D"]:
     """Attention of query groups: group r holds the M queries at flat token indices tok[r]
     (positions qpos[r]) and attends to the first kv_lens[r] keys of the pages tables[r]."""
@@ -196,6 +210,8 @@ def _attend(
     kpos = jnp.arange(keys.shape[1])
     causal = kpos[None, None, :] <= qpos[:, :, None]
     mask = causal & (kpos[None, None, :] < kv_lens[:, None, None]) & valid[:, :, None]
+    if window is not None:
+        mask &= kpos[None, None, :] > qpos[:, :, None] - window
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     mx = jnp.max(scores, axis=-1, keepdims=True)
     w = jnp.exp(scores - jnp.where(jnp.isfinite(mx), mx, 0.0))

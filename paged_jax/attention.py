@@ -58,6 +58,7 @@ def paged_attention(
     scale: float | None = None,
     max_q_rows: int | None = None,
     decode_pages: int | None = None,
+    window: int | None = None,
 ) -> Float[Array, "T Q D"]:
     """Causal attention of a ragged batch of queries over the paged KV cache.
 
@@ -77,27 +78,30 @@ def paged_attention(
         to max_q; the Pallas kernels are ragged and ignore it. None: any row may.
       decode_pages: static bound on the pages held by all single-query rows together (the
         reference's flat page list, see `flat_decode_reference`); None: every row's P pages.
+      window: static sliding window (Gemma 3's local layers): a query at position i sees
+        keys i - window + 1 .. i only (the kernels skip earlier pages); None: all.
 
     Returns:
       [T, Q, D] attention output, zeros for padding tokens.
     """
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if backend == "reference":
         return ref.split_reference(
             q, k_pages, v_pages, block_tables, seq_lens, query_start, max_q, scale, max_q_rows,
-            decode_pages,
+            decode_pages, window,
         )
     if backend == "cpu":
         if not cpu_kernel_available():
             raise ValueError("attention backend 'cpu' needs its C++ kernel, which did not build "
                              "(see the warning above); use backend='reference'")
         return cpu_attention.paged_attention(
-            q, k_pages, v_pages, block_tables, seq_lens, query_start, scale=scale)
+            q, k_pages, v_pages, block_tables, seq_lens, query_start, scale=scale,
+            window=window)
     if backend == "pallas":
         from kernels import dispatch  # Pallas loads only when asked for
 
         return dispatch.paged_attention(
-            q, k_pages, v_pages, block_tables, seq_lens, query_start, max_q=max_q, scale=scale
+            q, k_pages, v_pages, block_tables, seq_lens, query_start, max_q=max_q, scale=scale,
+            window=window,
         )
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")

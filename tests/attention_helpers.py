@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def naive(q, k_pages, v_pages, tables, lens, query_start, scale):
-    """Token by token, head by head: softmax over keys 0..pos in float64."""
+def naive(q, k_pages, v_pages, tables, lens, query_start, scale, window=None):
+    """Token by token, head by head: softmax over keys 0..pos (pos - window + 1..pos with a
+    sliding window) in float64."""
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
     out = np.zeros(q.shape, np.float64)
     h, _, kb, _ = k_pages.shape
@@ -15,11 +16,10 @@ def naive(q, k_pages, v_pages, tables, lens, query_start, scale):
         n = query_start[s + 1] - query_start[s]
         for i in range(n):
             pos = lens[s] - n + i
+            seen = range(0 if window is None else max(0, pos - window + 1), pos + 1)
             for j in range(q.shape[1]):
-                keys = np.stack([k_pages[j // group, tables[s, x // kb], x % kb]
-                                 for x in range(pos + 1)])
-                vals = np.stack([v_pages[j // group, tables[s, x // kb], x % kb]
-                                 for x in range(pos + 1)])
+                keys = np.stack([k_pages[j // group, tables[s, x // kb], x % kb] for x in seen])
+                vals = np.stack([v_pages[j // group, tables[s, x // kb], x % kb] for x in seen])
                 sc = keys @ q[query_start[s] + i, j] * scale
                 w = np.exp(sc - sc.max())
                 out[query_start[s] + i, j] = (w / w.sum()) @ vals

@@ -16,6 +16,7 @@ from experiments import (
     peers,
     preemption,
     sampling_sharing,
+    sliding_window_kv,
 )
 
 
@@ -96,6 +97,22 @@ def test_preemption():
     modes = {r["mode"]: r for r in data["rows"]}
     assert set(modes) == {"recompute", "swap"}
     assert modes["recompute"]["preemptions"] > 0
+
+
+def test_sliding_window_kv():
+    """Per-layer-group KV on a Gemma-shaped config: equal up to the window, less past it,
+    never more; the bytes follow the block arithmetic."""
+    from paged_jax.models.testing import tiny_gemma3_config
+
+    config = tiny_gemma3_config(sliding_window=512, max_position_embeddings=8192)
+    data = load(sliding_window_kv.main(block=16, config=config))
+    rows = {r["context"]: r for r in data["rows"]}
+    assert rows[512]["saving"] == 0 and 0 < rows[1024]["saving"] < rows[8192]["saving"] < 1
+    # 3 layers, 2 local; 8192 tokens = 512 blocks; local layers keep 512 / 16 + 1 = 33.
+    per_block_mib = 2 * 1 * 16 * 4 * 16 / 2**20
+    assert rows[8192]["shared_MiB"] == pytest.approx(3 * 512 * per_block_mib)
+    assert rows[8192]["grouped_MiB"] == pytest.approx((512 + 2 * 33) * per_block_mib)
+    assert all(r["seqs_grouped"] >= r["seqs_shared"] for r in rows.values())
 
 
 def test_peers():

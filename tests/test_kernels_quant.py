@@ -139,7 +139,7 @@ def test_quantized_kernels_lower_for_triton(name):
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_gpu_check_quantized_inputs(kind):
     """`make gpu-check` validates the kernels on int8 / fp8 pages built by `stored_pages`."""
-    from kernels.gpu_check import stored_pages
+    from kernels.gpu_validate import stored_pages
     from kernels.paged_attention import random_decode_inputs
 
     q, k, v, *rest = random_decode_inputs(jax.random.PRNGKey(0), 3, 6, 2, 16, 8, 4, jnp.float32)

@@ -8,18 +8,38 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Gemma3ForCausalLM")
+ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and hyperparameters of a Llama-family decoder.
+    """Shape and hyperparameters of a decoder: the Llama family, and Gemma 3.
+
+    One forward (models/llama.py) serves both; what Gemma 3 does differently is spelled out
+    by the fields after `eos_token_ids`, whose defaults are the Llama family's.
 
     Attributes:
       rope_scaling: None, or sorted (key, value) pairs of the HF rope-scaling dict with its
-        "rope_type": "llama3" (Hugging Face's parameters) or "freq_factors" (GGUF's per-pair
-        divisors of the inverse frequencies, under "factors"); a tuple so the config hashes.
+        "rope_type": "llama3" (Hugging Face's parameters), "linear" (positions divided by
+        "factor") or "freq_factors" (GGUF's per-pair divisors of the inverse frequencies,
+        under "factors"); a tuple so the config hashes. Gemma 3 scales full layers only.
       eos_token_ids: every token id that ends generation.
+      architecture: "llama" (Llama, Mistral, Qwen2) or "gemma3"; names the family for
+        loaders and reports. The forward reads only the flags below.
+      embed_scale: embeddings are multiplied by it (Gemma: sqrt(hidden_size)).
+      hidden_act: the MLP's gate activation, "silu" (SwiGLU) or "gelu_tanh" (GeGLU).
+      qk_norm: RMSNorm over each head of q and k before RoPE.
+      sandwich_norm: RMSNorm on the attention and MLP outputs too, before the residual add.
+      query_scale: softmax scale; None = head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5).
+      sliding_window: the keys a "sliding_attention" layer's query sees (itself included).
+      layer_types: per layer "full_attention" or "sliding_attention"; () = all full.
+      rope_local_theta: RoPE base of sliding layers (None = rope_theta; never scaled).
+
+    RMSNorm weights are stored as the factor they multiply by: Gemma's checkpoints hold
+    w for (1 + w), and the safetensors loader adds the 1 (GGUF files already hold 1 + w).
     """
 
     vocab_size: int
@@ -37,6 +57,15 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "llama"
+    embed_scale: float = 1.0
+    hidden_act: str = "silu"
+    qk_norm: bool = False
+    sandwich_norm: bool = False
+    query_scale: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -45,10 +74,23 @@ class ModelConfig:
                 f"({self.num_kv_heads})"
             )
         rope_type = dict(self.rope_scaling or ()).get("rope_type", "default")
-        if rope_type not in ("default", "llama3", "freq_factors"):
-            raise ValueError(
-                f"unsupported rope scaling type {rope_type!r} (default, llama3, freq_factors)"
-            )
+        if rope_type not in ("default", "llama3", "linear", "freq_factors"):
+            raise ValueError(f"unsupported rope scaling type {rope_type!r} "
+                             "(default, llama3, linear, freq_factors)")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {self.hidden_act!r}; one of {ACTIVATIONS}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types lists {len(self.layer_types)} layers, the model has "
+                             f"{self.num_layers}")
+        if bad := set(self.layer_types) - set(LAYER_TYPES):
+            raise ValueError(f"unknown layer types {sorted(bad)}; expected {LAYER_TYPES}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_attention layers need a sliding_window")
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, or None for a full-attention layer."""
+        sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else None
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
@@ -65,6 +107,7 @@ class ModelConfig:
                 (k, tuple(v) if isinstance(v, list) else v) for k, v in d["rope_scaling"]
             )
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        d["layer_types"] = tuple(d.get("layer_types", ()))
         return cls(**d)
 
 
@@ -85,11 +128,40 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | N
     return theta, tuple(sorted(params.items()))
 
 
+def _gemma3(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The Gemma 3 fields of a Gemma3ForCausalLM config.json (transformers 4.5x or 5)."""
+    for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(cap) is not None:
+            raise ValueError(f"{cap}={hf[cap]} is not supported (Gemma 2 style soft-capping)")
+    n = hf["num_hidden_layers"]
+    pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+    types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers 5: one RoPE dict per layer type
+        theta, scaling = _rope({"rope_parameters": params["full_attention"]})
+        local = float(params.get("sliding_attention", {}).get("rope_theta", 10000.0))
+    else:
+        theta, scaling = _rope(hf)
+        local = float(hf.get("rope_local_base_freq", 10000.0))
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"unsupported Gemma activation {act!r}")
+    return dict(
+        architecture="gemma3", embed_scale=float(hf["hidden_size"]) ** 0.5,
+        hidden_act="gelu_tanh", qk_norm=True, sandwich_norm=True,
+        query_scale=float(hf.get("query_pre_attn_scalar") or hf.get("head_dim") or 256) ** -0.5,
+        sliding_window=hf.get("sliding_window"), layer_types=tuple(types),
+        rope_local_theta=local, rope_theta=theta, rope_scaling=scaling,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+    )
+
+
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """Builds a ModelConfig from a Hugging Face config.json dict.
 
     Raises:
-      ValueError: for an architecture other than Llama, Mistral or Qwen2.
+      ValueError: for an architecture other than Llama, Mistral, Qwen2 or Gemma 3 (text).
     """
     archs = hf.get("architectures") or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
@@ -98,6 +170,10 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         )
     theta, scaling = _rope(hf)
     heads = hf["num_attention_heads"]
+    fields = dict(rope_theta=theta, rope_scaling=scaling,
+                  tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    if "Gemma3ForCausalLM" in archs:
+        fields.update(_gemma3(hf))
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -106,15 +182,13 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rope_theta=theta,
-        rope_scaling=scaling,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases; its config has no attention_bias key.
         attention_bias=bool(hf.get("attention_bias", "Qwen2ForCausalLM" in archs)),
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_as_tuple(hf.get("eos_token_id")),
+        **fields,
     )
 
 

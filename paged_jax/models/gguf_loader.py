@@ -2,7 +2,12 @@
 
 llama.cpp's converter permutes the rows of q/k weights of "llama"-architecture models so RoPE
 rotates adjacent pairs (2i, 2i+1); our RoPE rotates (i, i + D/2) like Hugging Face, so
-`unpermute` undoes it. Qwen2 GGUFs are not permuted.
+`unpermute` undoes it. Qwen2 and Gemma 3 GGUFs are not permuted.
+
+Gemma 3 files leave some hyperparameters out, which llama.cpp fixes in code and so do we:
+five sliding-window layers per full one, RoPE base 10k on the sliding layers, and a query
+scale of head_dim ** -0.5 (hidden / heads for the 27B). Their norm weights already hold
+Gemma's 1 + w.
 """
 
 from __future__ import annotations
@@ -20,12 +25,17 @@ from paged_jax.models.llama import Params
 from paged_jax.models.params import build_params
 from paged_jax.models.tokenizer import Tokenizer, tokenizer_from_gguf
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "gemma3")
+PERMUTED_ARCHS = ("llama", "mistral")  # q/k rows interleaved for llama.cpp's RoPE
+GEMMA3_PATTERN = 6  # every sixth layer attends globally (llama.cpp: set_swa_pattern(6))
+GEMMA3_LOCAL_THETA = 10000.0
 _GGUF_LAYER = {
     "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
     "wo": "attn_output.weight", "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
     "bo": "attn_output.bias", "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight",
     "w_down": "ffn_down.weight", "attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight",
+    "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+    "post_attn_norm": "post_attention_norm.weight", "post_mlp_norm": "post_ffw_norm.weight",
 }
 _GGUF_GLOBAL = {"embed": "token_embd.weight", "final_norm": "output_norm.weight",
                 "lm_head": "output.weight"}
@@ -42,6 +52,22 @@ def gguf_name(canonical: str) -> str:
 def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     """All key/value fields as Python values."""
     return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def _gemma3_fields(key, n_layers: int, width: int, heads: int, head_dim: int) -> dict:
+    """The Gemma 3 fields of ModelConfig (module docstring: what the file leaves out)."""
+    scaling = None
+    if key("rope.scaling.type") == "linear":
+        scaling = (("factor", float(key("rope.scaling.factor"))), ("rope_type", "linear"))
+    query = width // heads if n_layers == 62 else head_dim  # llama.cpp: 27B scales by E/Q
+    return dict(
+        architecture="gemma3", embed_scale=float(width) ** 0.5, hidden_act="gelu_tanh",
+        qk_norm=True, sandwich_norm=True, query_scale=float(query) ** -0.5,
+        sliding_window=int(key("attention.sliding_window")),
+        layer_types=tuple("full_attention" if (i + 1) % GEMMA3_PATTERN == 0
+                          else "sliding_attention" for i in range(n_layers)),
+        rope_local_theta=GEMMA3_LOCAL_THETA, rope_scaling=scaling,
+    )
 
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
@@ -61,18 +87,21 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConf
         scaling = (("factors", tuple(factors)), ("rope_type", "freq_factors"))
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eot = meta.get("tokenizer.ggml.eot_token_id")
+    extra = (_gemma3_fields(key, key("block_count"), width, heads, head_dim)
+             if arch == "gemma3" else {"rope_scaling": scaling})
     return ModelConfig(
         vocab_size=key("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
         hidden_size=width, intermediate_size=key("feed_forward_length"),
         num_layers=key("block_count"), num_heads=heads,
         num_kv_heads=key("attention.head_count_kv", heads), head_dim=head_dim,
-        rope_theta=float(key("rope.freq_base", 10000.0)), rope_scaling=scaling,
+        rope_theta=float(key("rope.freq_base", 10000.0)),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         max_position_embeddings=key("context_length", 2048),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(i for i in dict.fromkeys((eos, eot)) if i is not None),
+        **extra,
     )
 
 
@@ -102,7 +131,7 @@ def load_gguf(
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     config = config_from_gguf(meta, tensors)
-    permuted = meta["general.architecture"] != "qwen2"
+    permuted = meta["general.architecture"] in PERMUTED_ARCHS
 
     def get(canonical: str) -> np.ndarray | None:
         t = tensors.get(gguf_name(canonical))
@@ -116,4 +145,5 @@ def load_gguf(
             x = unpermute(x, config.num_kv_heads)
         return x
 
-    return config, build_params(config, get, dtype), tokenizer_from_gguf(meta)
+    params = build_params(config, get, dtype, file_name=gguf_name)
+    return config, params, tokenizer_from_gguf(meta)

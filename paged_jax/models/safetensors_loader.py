@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -24,16 +25,26 @@ _HF_LAYER = {
     "w_down": "mlp.down_proj.weight", "attn_norm": "input_layernorm.weight",
     "mlp_norm": "post_attention_layernorm.weight",
 }
+# Gemma's post_attention_layernorm norms the attention output; its pre-MLP norm has its own name.
+_HF_GEMMA3_LAYER = {
+    **_HF_LAYER, "mlp_norm": "pre_feedforward_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "post_mlp_norm": "post_feedforward_layernorm.weight",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+}
 _HF_GLOBAL = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
               "lm_head": "lm_head.weight"}
+NORMS = ("final_norm", "attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm",
+         "post_mlp_norm")
 
 
-def hf_name(canonical: str) -> str:
+def hf_name(canonical: str, architecture: str = "llama") -> str:
     """Hugging Face tensor name of a canonical name ("3.wq" -> model.layers.3.self_attn...)."""
     if canonical in _HF_GLOBAL:
         return _HF_GLOBAL[canonical]
     layer, base = canonical.split(".", 1)
-    return f"model.layers.{layer}.{_HF_LAYER[base]}"
+    names = _HF_GEMMA3_LAYER if architecture == "gemma3" else _HF_LAYER
+    return f"model.layers.{layer}.{names[base]}"
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -82,12 +93,15 @@ def load_safetensors(
     """(config, params) from a Hugging Face folder of safetensors weights."""
     config = read_hf_config(folder)
     where = _open_all(safetensors_files(folder))
+    name = functools.partial(hf_name, architecture=config.architecture)
+    # Gemma's RMSNorm multiplies by 1 + w; our params hold the factor itself (config.py).
+    offset = 1.0 if config.architecture == "gemma3" else 0.0
 
     def get(canonical: str) -> np.ndarray | None:
-        hit = where.get(hf_name(canonical))
+        hit = where.get(name(canonical))
         if hit is None:
             return None
-        x = hit[0].get_tensor(hf_name(canonical))
-        return np.asarray(x.astype(jnp.float32))
+        x = np.asarray(hit[0].get_tensor(name(canonical)).astype(jnp.float32))
+        return x + offset if canonical.rsplit(".", 1)[-1] in NORMS else x
 
-    return config, build_params(config, get, dtype)
+    return config, build_params(config, get, dtype, file_name=name)

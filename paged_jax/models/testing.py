@@ -22,6 +22,16 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
+def tiny_gemma3_config(**overrides) -> ModelConfig:
+    """`tiny_config` with every Gemma 3 feature on: an 8-token sliding window on two of its
+    three layers (prompts of a few dozen bytes run past it), GeGLU, q/k and sandwich norms."""
+    base = dict(architecture="gemma3", num_layers=3, num_kv_heads=1, embed_scale=8.0,
+                hidden_act="gelu_tanh", qk_norm=True, sandwich_norm=True, query_scale=0.2,
+                sliding_window=8, rope_theta=1e6, rope_local_theta=1e4,
+                layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+    return tiny_config(**{**base, **overrides})
+
+
 def random_params(config: ModelConfig, seed: int = 0, dtype: DTypeLike = np.float32,
                   scale: float = 0.5) -> Params:
     """Gaussian weights scaled so logits have a healthy spread (clear argmax margins)."""
@@ -34,7 +44,7 @@ def random_params(config: ModelConfig, seed: int = 0, dtype: DTypeLike = np.floa
             return None
         if base == "lm_head" and config.tie_word_embeddings:
             return None
-        if base in ("attn_norm", "mlp_norm", "final_norm"):
+        if base.endswith("_norm"):
             return 1.0 + 0.1 * rng.standard_normal(shapes[base])
         fan_in = shapes[base][-1]
         return rng.standard_normal(shapes[base]) * scale / np.sqrt(fan_in) * (

@@ -1,4 +1,10 @@
-"""Tokenizer: a `tokenizers` BPE (from GGUF metadata or tokenizer.json) + a jinja chat template."""
+"""Tokenizer: a `tokenizers` BPE (from GGUF metadata or tokenizer.json) + a jinja chat template.
+
+GGUF files describe two kinds: byte-level BPE ("gpt2": SmolLM2, Llama 3, Qwen2) with its merges
+listed, and SentencePiece BPE ("llama": Gemma 3) with none. For the second the merges are
+recovered from the vocabulary, as transformers' GGUF conversion does for Gemma: every split of
+a token into two tokens is a merge, ranked by the merged token's place in the file.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 # llama.cpp's pre-tokenizer names -> the split regex its vocabulary was trained with.
@@ -25,6 +31,8 @@ _QWEN2_SPLIT = (
 _SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
            "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
+SPACE = "\u2581"  # SentencePiece's visible space
+SENTENCEPIECE_ARCHS = ("gemma3",)  # the SentencePiece GGUFs checked against transformers
 
 
 class Tokenizer:
@@ -94,24 +102,64 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     return byte_level
 
 
-def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
-    """Builds the tokenizer from GGUF `tokenizer.*` metadata (byte-level BPE only)."""
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        sp = " (SentencePiece)" if kind == "llama" else ""
-        raise ValueError(f"GGUF tokenizer model {kind!r}{sp} is not supported: only byte-level "
-                         "BPE ('gpt2'). Load the model's Hugging Face folder (its "
-                         "tokenizer.json) instead of the .gguf file.")
+def _byte_level(meta: dict[str, Any]) -> tuple[HFTokenizer, list[str]]:
     tokens = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
     tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
     tok.decoder = decoders.ByteLevel()
+    return tok, tokens
+
+
+def merges_from_vocab(tokens: Sequence[str]) -> list[tuple[str, str]]:
+    """Every (left, right) pair of tokens that concatenates to a token, best first: by the
+    merged token's index, then the longer left part first."""
+    index = {t: i for i, t in reversed(list(enumerate(tokens)))}  # first spelling wins
+    ranked = [(i, -cut, tok[:cut], tok[cut:]) for i, tok in enumerate(tokens)
+              for cut in range(1, len(tok)) if tok[:cut] in index and tok[cut:] in index]
+    ranked.sort(key=lambda m: (m[0], m[1]))
+    return [(left, right) for _, _, left, right in ranked]
+
+
+def _sentencepiece(meta: dict[str, Any]) -> tuple[HFTokenizer, list[str]]:
+    """SentencePiece BPE with byte fallback; spaces are SPACE inside tokens."""
+    # Gemma stores runs of spaces as real spaces; the normalizer turns text spaces into SPACE.
+    tokens = [SPACE * len(t) if t and not t.strip(" ") else t
+              for t in meta["tokenizer.ggml.tokens"]]
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    tok = HFTokenizer(models.BPE(
+        {t: i for i, t in reversed(list(enumerate(tokens)))}, merges_from_vocab(tokens),
+        unk_token=None if unk is None else tokens[unk], fuse_unk=True, byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", False))
+    tok.normalizer = normalizers.Sequence(
+        [*([normalizers.Prepend(SPACE)] if prefix else []), normalizers.Replace(" ", SPACE)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
+         *([decoders.Strip(" ", 1, 0)] if prefix else [])])
+    # Respelled space runs are ordinary tokens, not added ones (those match the raw text).
+    original = meta["tokenizer.ggml.tokens"]
+    return tok, [t if t == s else "" for t, s in zip(tokens, original, strict=True)]
+
+
+def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
+    """Builds the tokenizer from GGUF `tokenizer.*` metadata: byte-level BPE, or Gemma 3's
+    SentencePiece BPE (module docstring)."""
+    kind, arch = meta.get("tokenizer.ggml.model"), meta.get("general.architecture")
+    if kind == "gpt2":
+        tok, tokens = _byte_level(meta)
+    elif kind == "llama" and arch in SENTENCEPIECE_ARCHS:
+        tok, tokens = _sentencepiece(meta)
+    else:
+        sp = " (SentencePiece)" if kind == "llama" else ""
+        raise ValueError(f"GGUF tokenizer model {kind!r}{sp} of a {arch!r} file is not "
+                         "supported: byte-level BPE ('gpt2'), or SentencePiece for "
+                         f"{SENTENCEPIECE_ARCHS}. Load the model's Hugging Face folder (its "
+                         "tokenizer.json) instead of the .gguf file.")
     types = meta.get("tokenizer.ggml.token_type") or [0] * len(tokens)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, k in zip(tokens, types, strict=True) if k == CONTROL])
+                            for t, k in zip(tokens, types, strict=True) if t and k == CONTROL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED])
+                    for t, k in zip(tokens, types, strict=True) if t and k == USER_DEFINED])
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eot = meta.get("tokenizer.ggml.eot_token_id")
     return Tokenizer(
