@@ -19,8 +19,9 @@ def model():
     return c, random_params(c), byte_tokenizer()
 
 
-def engine(**overrides) -> Engine:
-    return Engine(*model(), EngineConfig(**{**BASE, **overrides}))
+def engine(parts=None, **overrides) -> Engine:
+    """An engine with BASE's config (and `overrides`) on `parts` (default: the tiny Llama)."""
+    return Engine(*(parts or model()), EngineConfig(**{**BASE, **overrides}))
 
 
 def prompts(n: int) -> list[str]:

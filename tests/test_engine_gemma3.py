@@ -7,15 +7,17 @@ ignored the window, or read blocks it should not, would change the tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
 
-from paged_jax.engine import Engine, EngineConfig
+from paged_jax.engine import Engine
 from paged_jax.llm import LLM
 from paged_jax.models.testing import byte_tokenizer, random_params, tiny_gemma3_config
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
-from tests.engine_helpers import BASE, GREEDY, all_free, prompts, run, tokens
+from tests import engine_helpers as helpers
+from tests.engine_helpers import GREEDY, all_free, prompts, run, tokens
 
 SHARED = "a system prompt that every request shares, longer than the window: "
 
@@ -27,7 +29,7 @@ def model():
 
 
 def engine(**overrides) -> Engine:
-    return Engine(*model(), EngineConfig(**{**BASE, **overrides}))
+    return helpers.engine(model(), **overrides)
 
 
 def requests(n: int) -> list[tuple[str, str, SamplingParams]]:
@@ -53,8 +55,8 @@ def test_batched_equals_one_at_a_time(batched):
 def test_window_matters():
     """The same prompts on the model without its window give other tokens (the test can fail)."""
     c, params, tok = model()
-    full = Engine(c.__class__(**{**c.__dict__, "layer_types": ("full_attention",) * 3}),
-                  params, tok, EngineConfig(**BASE))
+    full = helpers.engine((dataclasses.replace(c, layer_types=("full_attention",) * 3),
+                           params, tok))
     eng = engine()
     reqs = requests(4)
     assert any(tokens(run(full, [r]), r[0]) != tokens(run(eng, [r]), r[0]) for r in reqs)

@@ -81,7 +81,8 @@ def _sources(path: Path) -> tuple[str, list[Path]]:
                 "Download the repository first (e.g. `huggingface-cli download "
                 f"{path} --local-dir DIR`) and pass the local folder DIR, or a .gguf file."
                 if hub_id else "")
-        raise FileNotFoundError(f"model path not found: {path}.{hint}")
+        raise FileNotFoundError(f"model path not found: {path}.{hint} Short names of the "
+                                f"models that ship on PyPI: {', '.join(SHIPPED_MODELS)}.")
     if path.is_file():
         if path.suffix == ".gguf":
             return "gguf", [path]
