@@ -103,13 +103,16 @@ def bytes_per_token_head(dtype, head_dim: int) -> int:
 def quantize(x: Float[Array, "... D"], dtype) -> tuple[Array, Float[Array, "..."]]:
     """(q, scale) with x ~= q * scale[..., None]: one scale per row of the last axis.
 
-    All-zero rows get scale 1 (q = 0), so padding and the zero block stay exact.
+    All-zero rows get scale 1 (q = 0), so padding and the zero block stay exact. A scale is
+    never below float32's smallest normal: XLA:CPU flushes subnormals to zero, and a row of
+    tiny values (amax < qmax * 1.2e-38) would otherwise divide by a zero scale (NaN).
     """
     dt = jnp.dtype(dtype)
     qmax = QMAX[dt]
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1)
-    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    tiny = np.finfo(np.float32).tiny
+    scale = jnp.where(amax > 0, jnp.maximum(amax / qmax, tiny), 1.0)
     y = jnp.clip(x / scale[..., None], -qmax, qmax)  # fp8 casts overflow to NaN, not to max
     if dt == jnp.dtype(jnp.int8):
         y = jnp.round(y)
