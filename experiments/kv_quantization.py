@@ -10,7 +10,8 @@
    text, prefilled in chunks of 64 tokens (each chunk reads the cache the ones before wrote);
 3. speed: batch-64 generation tok/s per dtype on this machine (same requests, same engine
    shape; median of three rounds taken in turn);
-4. the granularity check behind the design (one scale per token and KV head, or per block);
+4. the granularity check behind the design (a scale per 32 values of a token and KV head,
+   per token, or per block);
 5. the seed's claim: "INT8 KV halves memory vs 16-bit with negligible quality loss", and the
    issue's targets, each with its measured value.
 Writes results/kv_quantization.json.
@@ -143,7 +144,7 @@ def speed(llms: dict, tok, batch: int, tokens: int, repeats: int = 3) -> list[di
 
 
 def granularity(parts, tokens: int = 256) -> list[dict]:
-    """Per-token vs per-block scales on real K/V (paged_jax/kv_quant.measure_granularity),
+    """Scales per group, token or block on real K/V (paged_jax/kv_quant.measure_granularity),
     the sequence's own keys as queries (a proxy: the runner does not expose queries)."""
     config, params, tok = parts
     ids = (tok.encode(TEXT) * 8)[:tokens]

@@ -19,8 +19,9 @@
 //     out <- acc / l
 //
 // q and out: f32 or bf16. K/V pages: f32 or bf16 (PagedAttention), or int8 / fp8 (e4m3fn,
-// e5m2) with one f32 scale per token and KV head (PagedAttentionQuant: x = q * scale).
-// Each page is decoded to f32 once per task before its dots; compute is f32.
+// e5m2) with Z f32 scales per token and KV head (PagedAttentionQuant: value d of a row is
+// q[d] * scale[d / (D / Z)]). Each page is decoded to f32 once per task before its dots;
+// compute is f32.
 
 #include <algorithm>
 #include <atomic>
@@ -71,17 +72,23 @@ inline float fp8_to_f32(uint8_t b) {
 inline float to_f32(E4M3 x) { return fp8_to_f32<3, 7>(x.bits); }
 inline float to_f32(E5M2 x) { return fp8_to_f32<2, 15>(x.bits); }
 
-// One [K, D] page as f32 rows, scaled per token when `scale` is given; f32 pages are used in
-// place.
+// One [K, D] page as f32 rows; with `scale` ([K, Z]) each group of D / Z values of a row is
+// multiplied by its own scale. f32 pages are used in place.
 template <typename KT>
-const float* page_f32(const KT* src, const float* scale, float* dst, int64_t K, int64_t D) {
+const float* page_f32(const KT* src, const float* scale, float* dst, int64_t K, int64_t D,
+                      int64_t Z) {
   if constexpr (std::is_same_v<KT, float>) {
     return src;
   } else {
-    for (int64_t t = 0; t < K; ++t) {
-      const float f = scale ? scale[t] : 1.0f;
-      for (int64_t d = 0; d < D; ++d) dst[t * D + d] = to_f32(src[t * D + d]) * f;
-    }
+    const int64_t w = D / Z;  // values per scale
+    for (int64_t t = 0; t < K; ++t)
+      for (int64_t g = 0; g < Z; ++g) {
+        const float f = scale ? scale[t * Z + g] : 1.0f;
+        const KT* in = src + t * D + g * w;
+        float* o = dst + t * D + g * w;
+#pragma omp simd
+        for (int64_t d = 0; d < w; ++d) o[d] = to_f32(in[d]) * f;
+      }
     return dst;
   }
 }
@@ -105,10 +112,11 @@ struct Problem {
   int64_t window;  // sliding window in tokens; 0 = none (every earlier key)
 };
 
-// Per-token scales of the quantized pages ([H, N, K]); null for float pages.
+// Scales of the quantized pages ([H, N, K, groups]); null for float pages.
 struct Scales {
   const float* k = nullptr;
   const float* v = nullptr;
+  int64_t groups = 1;
 };
 
 template <typename T, typename KT>
@@ -142,8 +150,9 @@ void attend(const Problem& pb, const T* q, const KT* k, const KT* v, Scales scal
     int64_t block = pb.block_tables[s * pb.pages_per_row + p];
     block = std::clamp<int64_t>(block, 0, pb.num_blocks - 1);  // a bad table cannot read out
     const int64_t base = (h * pb.num_blocks + block) * K;  // first token of the page
-    const float* kb = page_f32(k + base * D, scales.k ? scales.k + base : nullptr, kpage, K, D);
-    const float* vb = page_f32(v + base * D, scales.v ? scales.v + base : nullptr, vpage, K, D);
+    const int64_t ng = scales.groups, sb = base * ng;  // the page's first scale
+    const float* kb = page_f32(k + base * D, scales.k ? scales.k + sb : nullptr, kpage, K, D, ng);
+    const float* vb = page_f32(v + base * D, scales.v ? scales.v + sb : nullptr, vpage, K, D, ng);
     const int64_t tok0 = p * K;
     for (int64_t i = std::max<int64_t>(0, tok0 - first_pos); i < nq; ++i) {
       const int64_t nt = std::min(K, first_pos + i - tok0 + 1);  // tokens <= position
@@ -296,7 +305,12 @@ ffi::Error dispatch_quant(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
                           int32_t window, int32_t e5m2, ffi::Result<ffi::AnyBuffer> out) {
   if (k.element_type() != v.element_type() || out->element_type() != q.element_type())
     return ffi::Error::InvalidArgument("paged attention: k / v and q / out must share dtypes");
-  const Scales sc{k_scale.typed_data(), v_scale.typed_data()};
+  auto sd = k_scale.dimensions(), kd = k.dimensions();
+  if (sd.size() != 4 || kd.size() != 4 || sd[3] <= 0 || kd[3] % sd[3] != 0 ||
+      v_scale.dimensions().size() != 4 || v_scale.dimensions()[3] != sd[3])
+    return ffi::Error::InvalidArgument(
+        "paged attention: scales must be [H, N, K, Z] with Z dividing head_dim");
+  const Scales sc{k_scale.typed_data(), v_scale.typed_data(), sd[3]};
   switch (q.element_type()) {
     case ffi::DataType::F32:
       return launch_quant<float>(pool, q, k, v, sc, tables, lens, starts, scale, window, out,
@@ -330,8 +344,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionQuant, dispatch_quant,
                                   .Arg<ffi::AnyBuffer>()         // q [T, Q, D]
                                   .Arg<ffi::AnyBuffer>()         // k_pages [H, N, K, D] int8/fp8
                                   .Arg<ffi::AnyBuffer>()         // v_pages [H, N, K, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scale [H, N, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scale [H, N, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scale [H, N, K, Z]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scale [H, N, K, Z]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, P]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens [S]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start [S + 1]

@@ -7,7 +7,7 @@
     cpu (here)   walks block tables in place, online softmax,    needs a C++17 compiler once;
                  one (row, KV head) per task on XLA's threads    q f32 / bf16; K/V f32 /
                                                                  bf16, or int8 / fp8 with
-                                                                 per-token scales
+                                                                 group scales
 
 Same contract as `paged_jax.attention.paged_attention` (ragged rows, causal, zeros for
 padding tokens). The shared library is compiled on first use with the machine's g++ (flags
@@ -109,7 +109,7 @@ def load(folder: str) -> bool:
 def paged_attention(q, k_pages: PagesLike, v_pages: PagesLike, block_tables, seq_lens,
                     query_start, *, scale: float, window: int | None = None):
     """The kernel on one layer (call `load` first); shapes as in paged_jax.attention. Pages
-    are read as stored (kernels/pages.py): float32 / bfloat16, or int8 / fp8 with per-token
+    are read as stored (kernels/pages.py): float32 / bfloat16, or int8 / fp8 with group
     scales, bfloat16 and fp8 possibly as their bits; never cast or copied here. `window`: a
     query sees only its last `window` keys (sliding-window layers); pages before every
     query's window are skipped."""

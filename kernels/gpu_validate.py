@@ -41,7 +41,7 @@ def validate() -> list[dict]:
             for variant in ("grouped", "dot"):
                 run = functools.partial(ragged_paged_attention, *args, max_q=16, variant=variant)
                 rows.append(_check("ragged", variant, nq, h, d, dtype, run, ref, tol))
-        for kind in ("int8", "fp8"):  # stored pages with per-token scales, f32 queries
+        for kind in ("int8", "fp8"):  # stored pages with group scales, f32 queries
             q, k, v, *rest = random_decode_inputs(key, 8, nq, h, d, BLOCK, 16, jnp.float32)
             args = (q, stored_pages(k, kind), stored_pages(v, kind), *rest)
             ref = decode_reference(*args)
@@ -78,17 +78,20 @@ def validate_window(key, nseq: int = 8, window: int = 40) -> list[dict]:
     return rows
 
 
-def stored_pages(x, kind: str):
-    """Float pages (NaN in free slots) as int8 values or fp8 bits with per-token scales, NaN
-    scales where the values were NaN: what an int8 / fp8 cache holds (kernels/pages.py)."""
+def stored_pages(x, kind: str, groups: int = 2):
+    """Float pages (NaN in free slots) as int8 values or fp8 bits with `groups` scales per
+    token (1/32, 1/64, ...: each group of D / groups values its own), NaN scales where the
+    values were NaN: what an int8 / fp8 cache holds (kernels/pages.py)."""
     import jax
     import jax.numpy as jnp
 
     from kernels.pages import Pages
 
-    free = jnp.isnan(x).any(-1)
-    scale = jnp.where(free, jnp.nan, 1 / 32)
-    y = jnp.nan_to_num(x) * 32
+    free = jnp.isnan(x).any(-1)[..., None]
+    per_group = 1 / (32 * 2.0 ** jnp.arange(groups))
+    scale = jnp.where(free, jnp.nan, per_group)  # [H, N, K, Z]
+    spread = jnp.repeat(per_group, x.shape[-1] // groups)
+    y = jnp.nan_to_num(x) / spread
     if kind == "int8":
         return Pages(jnp.clip(jnp.round(y), -127, 127).astype(jnp.int8), scale,
                      jnp.dtype(jnp.int8))

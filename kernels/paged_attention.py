@@ -123,10 +123,18 @@ def load_page(
 ) -> Array:
     """One [K, D] page of KV head h in `dtype`, rows past the sequence end replaced by 0 (they
     may be NaN). Pages stored as bits are viewed as `kv_dtype` after the load, and int8 / fp8
-    ones multiplied by their per-token scales (kernels/pages.py)."""
+    ones multiplied by their scales (kernels/pages.py): Z per token, each over D / Z
+    consecutive values, spread over the row with one load and a select per group (Triton has
+    no reshape of a loaded block)."""
     x = view(ref[h, page, :, :], kv_dtype)
     if scale_ref is not None:
-        x = x.astype(jnp.float32) * scale_ref[h, page, :][:, None]
+        x = x.astype(jnp.float32)
+        groups, d = scale_ref.shape[-1], x.shape[-1]
+        col = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) // (d // groups)
+        full = scale_ref[h, page, :, 0][:, None] * jnp.ones_like(x)
+        for g in range(1, groups):
+            full = jnp.where(col == g, scale_ref[h, page, :, g][:, None], full)
+        x = x * full
     x = x.astype(dtype)
     return jnp.where(valid[:, None], x, jnp.zeros_like(x))
 

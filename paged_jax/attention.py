@@ -65,8 +65,8 @@ def paged_attention(
     Args:
       q: [T, Q, D] queries, Q = H * G (grouped-query attention: query head j uses KV head j // G).
       k_pages, v_pages: one layer of the cache: [H, N, K, D] float pages, a pair (int8 / fp8
-        values [H, N, K, D], per-token scales [H, N, K]), or kernels.pages.Pages (the
-        engine's, bfloat16 / fp8 stored as their bits).
+        values [H, N, K, D], scales [H, N, K, Z], one per D / Z values), or kernels.pages.Pages
+        (the engine's, bfloat16 / fp8 stored as their bits).
       block_tables: [S, P] physical block of each logical block; padding entries are 0.
       seq_lens: [S] context length per sequence including this step's tokens (0 = padding).
       query_start: [S + 1] offsets of each sequence's queries in q (cumulative, nondecreasing).

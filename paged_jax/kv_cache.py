@@ -11,7 +11,8 @@ donated buffer into a copy of that layer's whole pool (measured: 4 s per step fo
 pool, against 0.1 s with per-layer buffers). Separate buffers are written in place.
 
 Quantized caches (kv_cache_dtype int8 / fp8, paged_jax/kv_quant.py) store int8 or fp8 pages
-and one float32 scale per token and KV head beside them: ``k_scale[l]`` is ``[H, N, K]``.
+and float32 scales beside them, one per group of 32 values of a token and KV head (kv_quant.GROUP):
+``k_scale[l]`` is ``[H, N, K, Z]``, Z = D / 32.
 Every operation here (write, copy-on-write copy, swap out / in) moves the scales with their
 values; a layer's cache is handed to the model as a (K, V) pair of kernels.pages.Pages.
 bfloat16 and fp8 pages are
@@ -39,13 +40,14 @@ from paged_jax.types import NULL_BLOCK, Array, Float, Int, Shaped
 class KVCache:
     """K and V pages, one [H, N, K, D] array per layer, stored as `kv_quant.bits_dtype(dtype)`
     (float32 and int8 as themselves, bfloat16 / fp8 as their bits); int8 / fp8 pages have
-    per-token scales [H, N, K] in k_scale / v_scale (empty for float caches). Block 0 is the
+    scales [H, N, K, Z] (Z groups per row, kv_quant.num_groups) in k_scale / v_scale (empty
+    for float caches). Block 0 is the
     zero block: never written, so it stays all zeros."""
 
     k: tuple[Shaped[Array, "H N K D"], ...]
     v: tuple[Shaped[Array, "H N K D"], ...]
-    k_scale: tuple[Float[Array, "H N K"], ...] = ()
-    v_scale: tuple[Float[Array, "H N K"], ...] = ()
+    k_scale: tuple[Float[Array, "H N K Z"], ...] = ()
+    v_scale: tuple[Float[Array, "H N K Z"], ...] = ()
     dtype: jnp.dtype = dataclasses.field(default=jnp.dtype(jnp.float32),
                                          metadata=dict(static=True))
 
@@ -105,8 +107,9 @@ def _zeros(num_layers: int, shape: tuple[int, ...], dtype: jnp.dtype) -> KVCache
     pages = many(shape, kv_quant.bits_dtype(dtype)), many(shape, kv_quant.bits_dtype(dtype))
     if not kv_quant.is_quantized(dtype):
         return KVCache(*pages, dtype=dtype)
-    return KVCache(*pages, many(shape[:-1], kv_quant.SCALE_DTYPE),
-                   many(shape[:-1], kv_quant.SCALE_DTYPE), dtype=dtype)
+    scales = (*shape[:-1], kv_quant.num_groups(shape[-1]))
+    return KVCache(*pages, many(scales, kv_quant.SCALE_DTYPE),
+                   many(scales, kv_quant.SCALE_DTYPE), dtype=dtype)
 
 
 def kv_cache_bytes(
@@ -125,7 +128,8 @@ def write_layer(
     v: Float[Array, "T H D"],
 ) -> tuple[Pages, Pages]:
     """Scatters the new tokens' K/V of one layer at their cache positions; padding (< 0) is
-    dropped. For an int8 / fp8 cache each token's row is quantized on the way in."""
+    dropped. For an int8 / fp8 cache each token's row is quantized on the way in, one scale per
+    group of its values."""
     n, bs = k_pages.shape[1], k_pages.shape[2]
     # Positions inside the zero block are never handed out; a negative one is padding.
     block = jnp.where(cache_positions >= bs, cache_positions // bs, n)
@@ -168,7 +172,7 @@ def copy_blocks(cache: KVCache, src: Int[Array, "C"], dst: Int[Array, "C"]) -> K
 
 def read_blocks(cache: KVCache, blocks: Int[Array, "M"]) -> tuple[Array, ...]:
     """Every field's `blocks`, stacked over layers (swap out): (k, v), plus (k_scale,
-    v_scale) for a quantized cache; values [L, H, M, K, D], scales [L, H, M, K]."""
+    v_scale) for a quantized cache; values [L, H, M, K, D], scales [L, H, M, K, Z]."""
     return tuple(jnp.stack([x[:, blocks] for x in field]) for field in _fields(cache))
 
 

@@ -64,7 +64,7 @@ def _restore(
     slot: Int[Array, ""], n_tokens: Int[Array, ""], *parts: Array,
 ) -> tuple[pool_lib.BlockPool, pt.PageTable, kv_lib.KVCache, Bool[Array, ""]]:
     """Swap-in on the device: the slot gets fresh blocks for its tokens, and `parts` (K, V
-    [L, H, P, K, D], and scales [L, H, P, K] for a quantized cache) are written back."""
+    [L, H, P, K, D], and scales [L, H, P, K, Z] for a quantized cache) are written back."""
     num_new = jnp.zeros_like(table.seq_lens).at[slot].set(n_tokens)
     table = pt.add_sequence(table, slot)
     pool, table, _, ok = pt.reserve_tokens(pool, table, num_new)

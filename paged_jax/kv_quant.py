@@ -4,16 +4,20 @@ vLLM calls the choice `kv_cache_dtype`. Quantization shrinks what a block holds;
 decides where blocks go: the two are orthogonal. A quantized value is stored with a float32
 scale, x ~= q * scale, with one scale per
 
-    token and KV head ("token"): a [D] row, written with its token (a scatter, like the
-        values); the scale follows each row's own range. Costs 4 bytes per D values.
+    group of GROUP values of a token and KV head ("group", what the cache stores): a [D] row
+        has D / GROUP scales ([H, N, K, D / GROUP] beside [H, N, K, D] pages), written with
+        its token (a scatter, like the values). Costs 4 bytes per 32 values (3.56x fp32).
+    token and KV head ("token"): one scale per [D] row, 4 bytes per D values.
     block and KV head ("block"): a [K, D] tile; the scale must cover every token the block
         will ever hold, but tokens arrive one at a time, so a later, larger token forces the
         whole block to be re-quantized (a read-modify-write of the tile on every write).
 
-`measure_granularity` compares the two on real K/V (experiments/kv_quantization.py prints
-it): per-token scales are more accurate, and they are the only ones a decode step can write
-without touching the rest of its block, hence the choice. int8 K/V are also rotated by a
-Hadamard matrix before they are quantized (`rotation`, applied by the model).
+`measure_granularity` compares them on real K/V (experiments/kv_quantization.py prints it).
+Scales per token are the only ones a decode step can write without touching the rest of its
+block; groups of 32 lower SmolLM2's int8 attention error further, 0.73% -> 0.66% with the
+rotation (notebooks/04_kv_quantization.ipynb), for 8 more bytes per 64 values. int8 K/V are
+also rotated by a Hadamard matrix before they are quantized (`rotation`, applied by the
+model).
 
     dtype      bytes/value   range (qmax)   rounding
     int8       1             127            round to nearest, symmetric
@@ -23,11 +27,13 @@ Hadamard matrix before they are quantized (`rotation`, applied by the model).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.types import Array, Float
+from paged_jax.types import Array, Float, Shaped
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 _STORAGE = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
@@ -36,6 +42,7 @@ _STORAGE = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
 QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0,
         jnp.dtype(jnp.float8_e5m2): 57344.0}
 SCALE_DTYPE = jnp.float32
+GROUP = 32  # values per scale (fewer when head_dim is not a multiple: `group_size`)
 # What a page array holds in memory: bfloat16 / fp8 pages as their bits, because XLA:CPU
 # scatters into those dtypes by converting the whole array (kernels/pages.py says more).
 _BITS = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16),
@@ -94,52 +101,71 @@ def is_quantized(dtype) -> bool:
     return jnp.dtype(dtype) in QMAX
 
 
+def group_size(head_dim: int) -> int:
+    """Values per scale in a row of head_dim: GROUP, or the largest divisor of head_dim that
+    divides GROUP (head_dim 16: one scale per row)."""
+    return math.gcd(head_dim, GROUP)
+
+
+def num_groups(head_dim: int) -> int:
+    """Scales per [head_dim] row of a quantized cache."""
+    return head_dim // group_size(head_dim)
+
+
 def bytes_per_token_head(dtype, head_dim: int) -> int:
-    """Bytes one token's K (or V) of one KV head takes, its scale included."""
+    """Bytes one token's K (or V) of one KV head takes, its scales included."""
     dt = jnp.dtype(dtype)
-    return head_dim * dt.itemsize + (jnp.dtype(SCALE_DTYPE).itemsize if is_quantized(dt) else 0)
+    scales = num_groups(head_dim) * jnp.dtype(SCALE_DTYPE).itemsize if is_quantized(dt) else 0
+    return head_dim * dt.itemsize + scales
 
 
-def quantize(x: Float[Array, "... D"], dtype) -> tuple[Array, Float[Array, "..."]]:
-    """(q, scale) with x ~= q * scale[..., None]: one scale per row of the last axis.
+def quantize(
+    x: Float[Array, "... D"], dtype, group: int | None = None
+) -> tuple[Array, Float[Array, "... Z"]]:
+    """(q, scale) with x ~= dequantize(q, scale): one scale per `group` consecutive values of
+    the last axis (default `group_size(D)`; D for one scale per row), G = D / group scales.
 
-    All-zero rows get scale 1 (q = 0), so padding and the zero block stay exact. A scale is
-    never below float32's smallest normal: XLA:CPU flushes subnormals to zero, and a row of
+    All-zero groups get scale 1 (q = 0), so padding and the zero block stay exact. A scale is
+    never below float32's smallest normal: XLA:CPU flushes subnormals to zero, and a group of
     tiny values (amax < qmax * 1.2e-38) would otherwise divide by a zero scale (NaN).
     """
     dt = jnp.dtype(dtype)
     qmax = QMAX[dt]
-    x = x.astype(jnp.float32)
+    d = x.shape[-1]
+    group = group_size(d) if group is None else group
+    x = x.astype(jnp.float32).reshape(*x.shape[:-1], d // group, group)
     amax = jnp.max(jnp.abs(x), axis=-1)
     tiny = np.finfo(np.float32).tiny
     scale = jnp.where(amax > 0, jnp.maximum(amax / qmax, tiny), 1.0)
     y = jnp.clip(x / scale[..., None], -qmax, qmax)  # fp8 casts overflow to NaN, not to max
     if dt == jnp.dtype(jnp.int8):
         y = jnp.round(y)
-    return y.astype(dt), scale.astype(SCALE_DTYPE)
+    return y.astype(dt).reshape(*y.shape[:-2], d), scale.astype(SCALE_DTYPE)
 
 
-def dequantize(q: Array, scale: Float[Array, "..."]) -> Float[Array, "... D"]:
-    """float32 values of quantized rows."""
-    return q.astype(jnp.float32) * scale[..., None].astype(jnp.float32)
+def dequantize(q: Shaped[Array, "... D"], scale: Float[Array, "... Z"]) -> Float[Array, "... D"]:
+    """float32 values of quantized rows, each group of D / Z values times its scale."""
+    shape, g = q.shape, scale.shape[-1]
+    x = q.astype(jnp.float32).reshape(*shape[:-1], g, shape[-1] // g)
+    return (x * scale[..., None].astype(jnp.float32)).reshape(shape)
 
 
-def roundtrip(x: Float[Array, "... D"], dtype, granularity: str = "token") -> Array:
-    """x quantized and read back, with one scale per row ("token") or per [K, D] tile of a
-    [..., K, D] array ("block")."""
-    if granularity == "token":
-        return dequantize(*quantize(x, dtype))
+def roundtrip(x: Float[Array, "... D"], dtype, granularity: str = "group") -> Array:
+    """x quantized and read back, with one scale per GROUP values of a row ("group", the
+    cache's), per row ("token") or per [K, D] tile of a [..., K, D] array ("block")."""
+    if granularity in ("group", "token"):
+        return dequantize(*quantize(x, dtype, None if granularity == "group" else x.shape[-1]))
     if granularity != "block":
-        raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
+        raise ValueError(f"granularity must be 'group', 'token' or 'block', got {granularity!r}")
     shape = x.shape
     flat = x.reshape(*shape[:-2], shape[-2] * shape[-1])  # one row per tile
-    return dequantize(*quantize(flat, dtype)).reshape(shape)
+    return dequantize(*quantize(flat, dtype, flat.shape[-1])).reshape(shape)
 
 
 def measure_granularity(
     k: np.ndarray, v: np.ndarray, q: np.ndarray, block_size: int, dtypes=("int8", "fp8")
 ) -> list[dict]:
-    """Per-token vs per-block scales on real K/V of one sequence and layer.
+    """Scales per group, per token and per block on real K/V of one sequence and layer.
 
     Args:
       k, v: [T, H, D] a sequence's keys and values; q: [T, Q, D] its queries (Q = H * G).
@@ -153,7 +179,7 @@ def measure_granularity(
     rows = []
     for name in dtypes:
         dt = storage_dtype(name, jnp.float32)
-        for gran in ("token", "block"):
+        for gran in ("group", "token", "block"):
             def rt(x, gran=gran, dt=dt):
                 tiles = np.pad(x, ((0, pad), (0, 0), (0, 0)))
                 tiles = tiles.reshape(-1, block_size, h, d).transpose(0, 2, 1, 3)

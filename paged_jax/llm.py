@@ -103,8 +103,8 @@ class LLM:
         sizes the pool when num_kv_blocks is None (needs a device that reports its memory:
         on CPU pass kv_cache_memory).
       kv_cache_dtype: "auto" (= dtype), "float32", "bfloat16", "int8", "fp8" (e4m3) or
-        "fp8_e5m2": int8 / fp8 hold about 4x the blocks of float32 in the same memory (a
-        float32 scale per token and KV head included); every attention backend reads them.
+        "fp8_e5m2": int8 / fp8 hold 3.56x the blocks of float32 in the same memory (a
+        float32 scale per 32 values included); every attention backend reads them.
       model_parts: (config, params, tokenizer) to use instead of loading `model`.
     """
 

@@ -7,7 +7,7 @@
     F forks (pairs)  C copy pairs               R query groups (rows or tiles)
     M queries per group (or stop ids per row)   X key positions (P * K)
     J top logprobs per row                      A admitted requests in a step
-    W decode steps in a window
+    W decode steps in a window                  Z quantization scales per row (D / Z values each)
 
 "Slot" means a sequence's row of the page table (S slots). Where a token's K/V lands in the
 pool (block * K + offset) is its *cache position*, the values of `cache_positions` (vLLM's

@@ -99,15 +99,16 @@ def test_loading_the_kernel_keeps_subnormal_floats():
 @settings(max_examples=20, deadline=None)
 @given(batch=batches(), name=st.sampled_from(["int8", "fp8", "fp8_e5m2"]))
 def test_quantized_pages_match_the_reference(batch, name):
-    """int8 / fp8 pages with per-token scales; free blocks' scales are NaN."""
+    """int8 / fp8 pages with two scales per row (groups of D / 2); free blocks' scales are
+    NaN."""
     from paged_jax import kv_quant
 
     q, k, v, tables, lens, qs = batch
     dt = kv_quant.storage_dtype(name, jnp.float32)
     pages = []
     for x in (k, v):
-        vals, scale = kv_quant.quantize(jnp.asarray(np.nan_to_num(x)), dt)
-        pages.append((vals, jnp.where(jnp.isnan(x).any(-1), jnp.nan, scale)))
+        vals, scale = kv_quant.quantize(jnp.asarray(np.nan_to_num(x)), dt, group=x.shape[-1] // 2)
+        pages.append((vals, jnp.where(jnp.isnan(x).any(-1)[..., None], jnp.nan, scale)))
     args = (jnp.asarray(q), *pages, *map(jnp.asarray, (tables, lens, qs)))
     got = np.asarray(cpu_attention.paged_attention(*args, scale=0.3))
     ref = np.asarray(paged_attention(*args, max_q=8, backend="reference", scale=0.3))

@@ -38,8 +38,9 @@ def stored(x: jnp.ndarray, name: str, bits: bool = True) -> Pages:
     conv = (lambda y: kv_quant.to_bits(y, dt)) if bits else (lambda y: y.astype(dt))  # noqa: E731
     if not kv_quant.is_quantized(dt):
         return Pages(conv(x), None, dt)
-    vals, scale = kv_quant.quantize(jnp.nan_to_num(x), dt)
-    return Pages(conv(vals), jnp.where(jnp.isnan(x).any(-1), jnp.nan, scale), dt)
+    # Two scales per row (groups of D / 2), so the kernels' group spreading is exercised.
+    vals, scale = kv_quant.quantize(jnp.nan_to_num(x), dt, group=x.shape[-1] // 2)
+    return Pages(conv(vals), jnp.where(jnp.isnan(x).any(-1)[..., None], jnp.nan, scale), dt)
 
 
 def quant_batch(lay, name, bits=True, nq=6, h=2, d=16, block=8, max_q=1):
@@ -98,7 +99,7 @@ def test_cpu_kernel_decodes_every_fp8_code_exactly(name):
     row = np.where(finite, codes, 0).astype(np.uint8)  # [D = 256]
     vals = np.zeros((1, 2, 4, 256), np.uint8)
     vals[0, 1, 0] = row
-    pages = Pages(jnp.asarray(vals), jnp.full((1, 2, 4), 0.5, jnp.float32), dt)
+    pages = Pages(jnp.asarray(vals), jnp.full((1, 2, 4, 1), 0.5, jnp.float32), dt)
     q = jnp.zeros((1, 1, 256), jnp.float32)
     ints = [jnp.asarray(x, jnp.int32) for x in ([[1]], [1], [0, 1])]
     out = np.asarray(cpu_attention.paged_attention(q, pages, pages, *ints, scale=1.0))
@@ -114,7 +115,8 @@ def test_quantized_kernels_lower_for_triton(name):
     dt = kv_quant.storage_dtype(name, jnp.float32)
     shape = (h, nseq * pages + 1, block, d)
     vals = spec(shape, kv_quant.bits_dtype(dt))
-    scale = spec(shape[:-1], jnp.float32) if kv_quant.is_quantized(dt) else None
+    groups = kv_quant.num_groups(d)  # 2 at SmolLM2's head_dim
+    scale = spec((*shape[:-1], groups), jnp.float32) if kv_quant.is_quantized(dt) else None
     ints = [spec((nseq, pages), jnp.int32), spec((nseq,), jnp.int32)]
 
     def lower(fn, q, *rest) -> str:

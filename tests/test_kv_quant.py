@@ -26,17 +26,20 @@ def test_quantized_blocks_hold_over_3_5x_an_fp32_block():
     assert fp32 / kq.bytes_per_token_head(jnp.bfloat16, 64) == 2
 
 
-rows = arrays(np.float32, st.tuples(st.integers(1, 6), st.integers(1, 40)),
+rows = arrays(np.float32, st.tuples(st.integers(1, 6), st.sampled_from([1, 8, 12, 40, 64, 96])),
               elements=st.floats(-1e4, 1e4, width=32))
 
 
 @settings(max_examples=60, deadline=None)
 @given(x=rows, name=st.sampled_from(["int8", "fp8", "fp8_e5m2"]))
-def test_roundtrip_error_is_bounded_per_row(x, name):
+def test_roundtrip_error_is_bounded_per_group(x, name):
     dt = kq.storage_dtype(name, jnp.float32)
     q, scale = kq.quantize(jnp.asarray(x), dt)
+    group = kq.group_size(x.shape[-1])
+    assert scale.shape == (x.shape[0], x.shape[1] // group) and group <= kq.GROUP
     back = np.asarray(kq.dequantize(q, scale))
-    amax = np.abs(x).max(-1, keepdims=True)
+    # each group's own range: a loud group does not coarsen its quiet neighbours
+    amax = np.repeat(np.abs(x).reshape(x.shape[0], -1, group).max(-1), group, axis=-1)
     assert np.all(np.isfinite(back))
     # int8: half a step of amax / 127; fp8: the mantissa's relative step, or the subnormal
     # step below the smallest normal, of amax / qmax.
@@ -50,15 +53,16 @@ def test_roundtrip_error_is_bounded_per_row(x, name):
 
 def test_per_token_scales_beat_per_block_scales_on_uneven_tokens():
     rng = np.random.default_rng(0)
-    t, h, d = 64, 2, 32
+    t, h, d = 64, 2, 64
     mags = np.exp(rng.normal(0, 1.0, (t, 1, 1)))  # token norms vary, as real K/V do
     k = (rng.standard_normal((t, h, d)) * mags).astype(np.float32)
     v = (rng.standard_normal((t, h, d)) * mags).astype(np.float32)
     rows = {(r["dtype"], r["granularity"]): r
             for r in kq.measure_granularity(k, v, np.repeat(k, 2, axis=1), 16)}
     for name in ("int8", "fp8"):
-        tok, blk = rows[(name, "token")], rows[(name, "block")]
+        grp, tok, blk = (rows[(name, g)] for g in ("group", "token", "block"))
         assert tok["k_rel_err"] < blk["k_rel_err"] and tok["attn_rel_err"] <= blk["attn_rel_err"]
+        assert grp["k_rel_err"] <= tok["k_rel_err"]
 
 
 @pytest.mark.slow
@@ -68,10 +72,11 @@ def test_granularity_and_claim_on_smollm2():
 
     rows = kq_exp.granularity(load_model(), tokens=64)
     assert {(r["dtype"], r["granularity"]) for r in rows} == {
-        (d, g) for d in ("int8", "fp8") for g in ("token", "block")}
+        (d, g) for d in ("int8", "fp8") for g in ("group", "token", "block")}
     by = {(r["dtype"], r["granularity"]): r for r in rows}
     assert 0 < by[("int8", "token")]["attn_rel_err"] < 0.05
     assert by[("int8", "token")]["k_rel_err"] < by[("int8", "block")]["k_rel_err"]
+    assert by[("int8", "group")]["k_rel_err"] < by[("int8", "token")]["k_rel_err"]
     mem = [dict(dtype=d, bytes_per_block=b) for d, b in (("bfloat16", 136), ("int8", 68))]
     agree = [dict(dtype="int8", identical=15, prompts=16)]
     quality = [dict(dtype="float32", perplexity=10.0), dict(dtype="int8", perplexity=10.05)]
