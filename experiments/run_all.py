@@ -14,6 +14,7 @@ from experiments import (
     memory_breakdown,
     peers,
     preemption,
+    routing,
     sampling_sharing,
     sliding_window_kv,
 )
@@ -28,6 +29,7 @@ FULL = [
     (preemption, dict(sizes=(8, 16, 32, 64, 128, 256), requests=32)),
     (peers, dict(prompts=64, tokens=128, extra_models=("gemma3",))),
     (sliding_window_kv, dict()),
+    (routing, dict(argv=[])),
 ]
 
 

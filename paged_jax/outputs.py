@@ -90,6 +90,7 @@ class RequestOutput:
       num_cached_tokens: prompt tokens served from the prefix cache.
       prompt_logprobs: with SamplingParams.prompt_logprobs, one entry per prompt token (None
         for the first): its logprob and rank, plus the top alternatives.
+      model: which model served it, when a router chose (paged_jax.routing); else None.
     """
 
     request_id: str
@@ -100,6 +101,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    model: str | None = None
 
 
 @dataclasses.dataclass

@@ -1,0 +1,178 @@
+"""Model routing: quality vs the share of requests sent to the strong model, and the cost saved.
+
+    python -m experiments.routing [--quick]
+
+Weak model SmolLM2-135M-Instruct, strong model Gemma 3 270M (base); both answer the same
+few-shot questions (paged_jax/routing/tasks.py). From one labelled run (routing/train.py):
+1. per held-out split (random 30%, and two task families never seen in training): the curve
+   of quality vs strong share for the trained router, random routing, the oracle, and the
+   always-weak / always-strong points; the share of the weak-to-strong gap recovered at a 50%
+   strong share; the cost saved at 95% of the strong model's quality (costs per request
+   measured from the two engines in this run);
+2. the router end to end (RoutedLLM at a 50% share on fresh questions): every request served
+   once, each output equal to what its model gives alone, and the router's own overhead per
+   request against a weak-model request's latency.
+Writes results/routing.json (+ .png); `--quick` uses 168 questions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from experiments import balance
+from experiments.common import pyplot, save_json, save_plot, table
+from paged_jax import LLM, SamplingParams
+from paged_jax.routing import curves as cv
+from paged_jax.routing import features as feat
+from paged_jax.routing import train as tr
+from paged_jax.routing.router import RoutedLLM
+from paged_jax.routing.tasks import make_items
+
+POLICIES = ("router", "random", "weak", "strong", "oracle")
+
+
+def split_results(data: dict, items) -> dict:
+    """Curves, gap recovered and cost saved on each split's held-out part."""
+    out = {}
+    cost = data["cost"]
+    for name, (_, te) in tr.splits(items).items():
+        head, y = data["heads"][name], data["y"][te]
+        scores = head.gain(data["x"][te])
+        c = cv.curves(y, scores)
+        acc_w, acc_s = y.mean(0)
+        out[name] = dict(
+            curves=c, test=len(te), accuracy=dict(weak=float(acc_w), strong=float(acc_s)),
+            gap_recovered_at_50=cv.gap_recovered(c["router"], acc_w, acc_s, 0.5),
+            beats_random_everywhere=all(
+                r["quality"] >= q["quality"] - 1e-9 for r, q in
+                zip(c["router"][1:-1], c["random"][1:-1], strict=True)),
+            cost_saved_at_95={clock: cv.cost_saved_at(y, scores, c[tr.MODELS[0]],
+                                                      c[tr.MODELS[1]], c["probe"])
+                              for clock, c in cost.items() if clock != "output_tokens"},
+            ece=head.metrics["ece"])
+    return out
+
+
+def end_to_end(weak: LLM, strong: LLM, head, n: int) -> dict:
+    """RoutedLLM on n fresh questions: outputs vs each model alone, and its overhead."""
+    items = make_items(n, seed=1)
+    prompts = [it.prompt for it in items]
+    sp = SamplingParams(temperature=0.0, max_tokens=tr.MAX_TOKENS, stop=["\n"])
+    router = RoutedLLM(weak, strong, head, strong_share=0.5, names=tr.MODELS)
+    routed = router.generate(prompts, sp)
+    alone = {m: llm.generate(prompts, sp, use_tqdm=False)
+             for m, llm in zip(tr.MODELS, (weak, strong), strict=True)}
+    same = sum(o.outputs[0].token_ids == alone[o.model][i].outputs[0].token_ids
+               for i, o in enumerate(routed))
+    lat = overhead(weak, router, prompts[:8], sp)
+    return dict(requests=n, served=len(routed), identical_to_own_model=int(same),
+                strong_share=float(np.mean([o.model == tr.MODELS[1] for o in routed])),
+                quality=float(np.mean([it.correct(o.outputs[0].text)
+                                       for it, o in zip(items, routed, strict=True)])),
+                **lat)
+
+
+def overhead(weak: LLM, router: RoutedLLM, prompts: list[str], sp) -> dict:
+    """One request at a time: weak-model latency alone vs through the router (requests the
+    router kept on the weak model), and the classifier's own time."""
+    keep = RoutedLLM(weak, router.strong, router.head, threshold=np.inf, names=tr.MODELS)
+    alone, routed = [], []
+    for p in prompts:
+        weak.generate(p, sp, use_tqdm=False)  # warm: same programs, prefix cache primed
+        t0 = time.perf_counter()
+        weak.generate(p, sp, use_tqdm=False)
+        alone.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        keep.generate(p, sp)
+        routed.append(time.perf_counter() - t0)
+    x = np.stack([np.asarray(r.features, np.float32) for r in keep.routes.values()])
+    t0 = time.perf_counter()
+    for row in x:
+        router.head.gain(row[None])
+    clf = (time.perf_counter() - t0) / len(x)
+    return dict(weak_latency_s=float(np.median(alone)), routed_latency_s=float(np.median(routed)),
+                overhead=float(np.median(routed) / np.median(alone) - 1),
+                classifier_s=clf, classifier_share=clf / float(np.median(alone)))
+
+
+def balance_checks(rows: list[dict]) -> dict:
+    """KV-aware vs round-robin p99 at every (replicas, rate) point, and lost requests."""
+    by = {(r["replicas"], r["rate"], r["policy"]): r for r in rows}
+    pts = sorted({(r["replicas"], r["rate"]) for r in rows})
+    return dict(kv_aware_p99_below_round_robin=[
+        by[(n, x, "kv_aware")]["e2e_p99"] < by[(n, x, "round_robin")]["e2e_p99"]
+        for n, x in pts], lost=sum(r["lost"] for r in rows))
+
+
+def plot(res: dict, name: str):
+    plt = pyplot()
+    splits = list(res["splits"])
+    reps = sorted({r["replicas"] for r in res["balance"]})
+    fig, axes = plt.subplots(1, len(splits) + len(reps), figsize=(5 * (len(splits) + len(reps)), 4))
+    for ax, split in zip(axes, splits, strict=False):
+        c = res["splits"][split]["curves"]
+        for pol in POLICIES:
+            xs = [p["strong_share"] for p in c[pol]]
+            ys = [p["quality"] for p in c[pol]]
+            ax.plot(xs, ys, "o" if len(xs) == 1 else "-", label=pol, markersize=8)
+        ax.set(xlabel="share of requests sent to the strong model", ylabel="accuracy",
+               title=f"held out: {split} split")
+        ax.legend()
+    for ax, n in zip(axes[len(splits):], reps, strict=True):
+        for pol in balance.POLICIES:
+            rows = [r for r in res["balance"] if r["replicas"] == n and r["policy"] == pol]
+            ax.plot([r["rate"] for r in rows], [r["e2e_p99"] for r in rows], "-o", label=pol)
+        ax.set(xlabel="arrival rate (req/s)", ylabel="p99 latency (s, modeled GPU)",
+               title=f"{n} replicas, skewed shared prefixes")
+        ax.legend()
+    return save_plot(name, fig)
+
+
+def main(argv: list[str] | None = None, name: str = "routing") -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="168 questions (under 10 minutes)")
+    quick = ap.parse_args(argv).quick
+    items = make_items(168 if quick else 840, seed=0)
+    weak, strong = (LLM(m, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=512)
+                    for m in tr.MODELS)
+    data = tr.build(weak, strong, items)
+    res = dict(models=dict(weak=tr.MODELS[0], strong=tr.MODELS[1]), items=len(items),
+               accuracy=data["accuracy"], cost=data["cost"], features=feat.NAMES)
+    res["splits"] = split_results(data, items)
+    res.update({p: res["splits"]["random"]["curves"][p] for p in POLICIES})
+    saved = res["splits"]["random"]["cost_saved_at_95"]
+    res["cost_saved_at_95"] = saved["measured_cpu"]["cost_saved"]  # this machine's clock
+    res["cost_saved_at_95_modeled_gpu"] = saved["modeled_gpu"]["cost_saved"]
+    res["end_to_end"] = end_to_end(weak, strong, data["heads"]["random"], 24 if quick else 64)
+    del weak, strong
+    res["balance"] = balance.panel(requests=150 if quick else 300)
+    res["balance_checks"] = balance_checks(res["balance"])
+    res["png"] = str(plot(res, name))
+    res["json"] = str(save_json(name, res))
+    show(res)
+    return res
+
+
+def show(res: dict) -> None:
+    print(f"accuracy: {res['accuracy']}  cost: {res['cost']}")
+    for split, r in res["splits"].items():
+        rows = [dict(share=p["strong_share"], router=p["quality"], random=q["quality"],
+                     oracle=o["quality"]) for p, q, o in zip(
+                         r["curves"]["router"], r["curves"]["random"], r["curves"]["oracle"],
+                         strict=True)]
+        print(f"\n{split} split ({r['test']} held out): gap recovered at 50% "
+              f"{r['gap_recovered_at_50']:.2f}, beats random everywhere "
+              f"{r['beats_random_everywhere']}, at 95%: {r['cost_saved_at_95']}")
+        print(table(rows, ["share", "router", "random", "oracle"]))
+    print("\nend to end:", res["end_to_end"])
+    print("\nload balancing (modeled GPU clock)")
+    print(table(res["balance"], ["replicas", "rate", "policy", "e2e_p50", "e2e_p99", "ttft_p99",
+                                 "throughput", "prefix_hit_rate", "lost"]))
+    print(res["balance_checks"])
+
+
+if __name__ == "__main__":
+    main()

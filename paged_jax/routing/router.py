@@ -1,0 +1,178 @@
+"""RoutedLLM: each request goes to a weak (cheap) or a strong model, chosen per request by the
+trained head (routing/head.py) from the weak model's own prefill.
+
+    request --> weak LLM: prefill + first token (its top-20 logprobs asked for)
+                  |  features(prompt, first token's logprobs) --> head.gain() > threshold?
+                  |-- no:  the weak request simply goes on (nothing recomputed)
+                  '-- yes: the weak request is aborted (its full prompt blocks stay in the
+                           weak model's prefix cache) and the request goes to the strong LLM
+
+So a request that stays on the weak model pays nothing for being routed but the classifier
+(numpy, microseconds) and the first position's top-20 logprobs; one that moves pays the weak
+model's prefill. Both engines are stepped in turn in this process, so moved requests run on the
+strong model while the weak one serves the rest.
+
+The threshold comes from `strong_share` (the share of requests the head's training set would
+send to the strong model at it) or is given directly. In latency-SLA mode (`ttft_slo` /
+`tpot_slo`, seconds) a request the head would move stays on the weak model when the strong
+model is not expected to meet the bounds given its current queue (routing/sla.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
+from paged_jax.llm import LLM
+from paged_jax.outputs import RequestOutput
+from paged_jax.routing import features as feat
+from paged_jax.routing import sla
+from paged_jax.routing.head import Head, load, threshold_for_share
+from paged_jax.sampling_params import SamplingParams
+
+_ROUTERS = itertools.count()
+
+
+@dataclasses.dataclass
+class Route:
+    """Why a request went where it went."""
+
+    model: str
+    gain: float
+    features: list[float]
+    held_by_slo: bool = False  # the head chose the strong model; its queue was too long
+
+
+class RoutedLLM:
+    """Routes each request of `generate` / `chat` to `weak` or `strong` (two LLM instances).
+
+    Args:
+      weak, strong: the engines; `names` labels them in outputs (RequestOutput.model).
+      head: the trained classifier (routing.head.load(...)).
+      strong_share: the share of traffic to send to the strong model, in [0, 1], turned into
+        a threshold with the head's saved training gains; or
+      threshold: the expected-gain threshold itself (overrides strong_share).
+      ttft_slo, tpot_slo: latency bounds in seconds (None: none) the strong model must be
+        expected to meet for a request to move to it.
+    """
+
+    def __init__(self, weak: LLM, strong: LLM, head: Head, *, strong_share: float = 0.5,
+                 threshold: float | None = None, names: tuple[str, str] = ("weak", "strong"),
+                 ttft_slo: float | None = None, tpot_slo: float | None = None):
+        if not 0 <= strong_share <= 1:
+            raise ValueError(f"strong_share must be in [0, 1], got {strong_share}")
+        for name, v in (("ttft_slo", ttft_slo), ("tpot_slo", tpot_slo)):
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {v}")
+        self.weak, self.strong, self.head, self.names = weak, strong, head, names
+        self.slo = (ttft_slo, tpot_slo)
+        self.threshold = threshold if threshold is not None else head_threshold(head,
+                                                                                strong_share)
+        self.routes: dict[str, Route] = {}
+        self._id, self._counter = next(_ROUTERS), 0
+
+    def generate(self, prompts: str | dict | Seq, sampling_params: SamplingParams | Seq | None
+                 = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """As LLM.generate; each output's `model` names the model that served it, and
+        `self.routes[request_id]` keeps the decision."""
+        prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        sps = (sampling_params if isinstance(sampling_params, Seq)
+               else [sampling_params or SamplingParams()] * len(prompts))
+        if len(sps) != len(prompts):
+            raise ValueError(f"got {len(sps)} sampling_params for {len(prompts)} prompts")
+        asked = {}
+        try:
+            for p, sp in zip(prompts, sps, strict=True):
+                rid = f"routed-{self._id}-{self._counter}"  # unique across routers of an LLM
+                self._counter += 1
+                probe = dataclasses.replace(sp, logprobs=max(sp.logprobs or 0, feat.TOP_K))
+                self.weak.llm_engine.add_request(rid, p, probe)
+                asked[rid] = (p, sp)
+        except Exception:  # a bad request: none of this call's requests stays queued
+            for rid in asked:
+                self.weak.llm_engine.abort(rid)
+            raise
+        return self._serve(asked)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """As LLM.chat, with the weak model's chat template (or `chat_template`) for both."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.weak.get_tokenizer()
+        return self.generate([tok.apply_chat_template(c, True, chat_template) for c in convs],
+                             sampling_params)
+
+    def _serve(self, asked: dict[str, tuple]) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        weak, strong = self.weak.llm_engine, self.strong.llm_engine
+        while len(done) < len(asked):
+            for out in weak.step() if weak.has_unfinished() else []:
+                self._on_weak(out, asked, done)
+            for out in strong.step() if strong.has_unfinished() else []:
+                if out.finished and out.request_id in asked:
+                    done[out.request_id] = dataclasses.replace(out, model=self.names[1])
+            if not weak.has_unfinished() and not strong.has_unfinished() and \
+                    len(done) < len(asked):
+                raise RuntimeError("engines idle with unfinished routed requests")  # a bug
+        return [done[r] for r in asked]
+
+    def _on_weak(self, out: RequestOutput, asked: dict, done: dict) -> None:
+        rid = out.request_id
+        if rid not in asked:
+            return
+        if rid not in self.routes and out.outputs and out.outputs[0].logprobs:
+            prompt, sp = asked[rid]
+            x = feat.features(self._text(out), out.outputs[0].logprobs[0])
+            gain = float(self.head.gain(x[None])[0])
+            go_strong = gain > self.threshold
+            held = go_strong and not sla.estimate(
+                self.strong.llm_engine, len(out.prompt_token_ids)).meets(*self.slo)
+            go_strong &= not held
+            self.routes[rid] = Route(self.names[int(go_strong)], gain, x.tolist(), held)
+            if go_strong:
+                self.weak.llm_engine.abort(rid)
+                self.strong.llm_engine.add_request(rid, prompt, sp)
+                return
+        if out.finished and self.routes.get(rid) and self.routes[rid].model == self.names[0]:
+            done[rid] = _as_asked(dataclasses.replace(out, model=self.names[0]), asked[rid][1])
+
+    def _text(self, out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else self.weak.get_tokenizer().decode(
+            out.prompt_token_ids)
+
+
+def head_threshold(head: Head, share: float) -> float:
+    """The gain threshold that sent `share` of the head's training requests to the strong
+    model (its metrics keep the training set's gains)."""
+    gains = np.asarray(head.metrics.get("train_gains", [0.0]), np.float32)
+    return threshold_for_share(gains, share)
+
+
+def _as_asked(out: RequestOutput, sp: SamplingParams) -> RequestOutput:
+    """The output without the logprobs the router asked for and the caller did not."""
+    k = sp.logprobs
+    outs = []
+    for c in out.outputs:
+        if k is None:
+            c = dataclasses.replace(c, logprobs=None, cumulative_logprob=None)
+        else:
+            c = dataclasses.replace(c, logprobs=[_top(pos, tok, k) for pos, tok in zip(
+                c.logprobs, c.token_ids, strict=True)])
+        outs.append(c)
+    return dataclasses.replace(out, outputs=outs)
+
+
+def _top(pos: dict, token: int, k: int) -> dict:
+    """The sampled token and the k best of one position's logprobs."""
+    return {t: lp for t, lp in pos.items() if t == token or (lp.rank or 0) <= k}
+
+
+def shipped_router(strong_share: float = 0.5, **llm_kwargs) -> RoutedLLM:
+    """SmolLM2-135M-Instruct (weak) and Gemma 3 270M (strong), both shipped on PyPI, with the
+    head trained on them (paged_jax/routing/trained); `llm_kwargs` go to both LLMs."""
+    models = ("smollm2", "gemma3")
+    weak, strong = (LLM(m, **llm_kwargs) for m in models)
+    return RoutedLLM(weak, strong, load(), strong_share=strong_share, names=models)

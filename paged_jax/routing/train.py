@@ -1,0 +1,158 @@
+"""Builds the router's training data and head: `python -m paged_jax.routing.train [--quick]`.
+
+1. the evaluation set (routing/tasks.py): few-shot questions with checkable answers;
+2. labels: each model answers every question greedily (its first line); right or wrong;
+   the weak model's pass also yields the routing features (routing/features.py), exactly as
+   the router computes them at serving time;
+3. splits: at random (70 / 30) and by task family (FAMILY_TEST held out entirely);
+4. a head per split (routing/head.py), trained on 80% of its train part and calibrated on
+   the other 20%; the random split's head is the one the router loads.
+
+Writes paged_jax/routing/trained/: `data` (orbax: features, labels, family and difficulty
+per item), `head` (the router's), and `metrics.json` (accuracies, calibration error, costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from paged_jax.cost_model import GpuCostModel
+from paged_jax.llm import LLM
+from paged_jax.routing import features as feat
+from paged_jax.routing import head as head_lib
+from paged_jax.routing.tasks import FAMILIES, Item, make_items
+from paged_jax.sampling_params import SamplingParams
+
+TRAINED = head_lib.TRAINED
+FAMILY_TEST = ("lookup", "reverse")  # held out by the family split
+MAX_TOKENS = 12
+MODELS = ("smollm2", "gemma3")  # weak, strong
+
+
+def answer(llm: LLM, items: list[Item], probe: bool) -> dict:
+    """Greedy answers of one model: correctness [N], output tokens and seconds; with `probe`,
+    also the routing features [N, F] from the first position's top logprobs."""
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=["\n"],
+                        logprobs=feat.TOP_K if probe else None)
+    t0 = time.perf_counter()
+    outs = llm.generate([it.prompt for it in items], sp, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    res = dict(correct=np.array([it.correct(o.outputs[0].text) for it, o in
+                                 zip(items, outs, strict=True)]),
+               tokens=int(sum(len(o.outputs[0].token_ids) for o in outs)), seconds=seconds,
+               texts=[o.outputs[0].text for o in outs])
+    if probe:
+        res["x"] = np.stack([feat.features(it.prompt, o.outputs[0].logprobs[0])
+                             for it, o in zip(items, outs, strict=True)])
+    return res
+
+
+def splits(items: list[Item], seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Index arrays (train, test): at random, and by family (FAMILY_TEST held out)."""
+    n = len(items)
+    perm = np.random.default_rng(seed).permutation(n)
+    fam = np.array([it.family in FAMILY_TEST for it in items])
+    return {"random": (np.sort(perm[: int(0.7 * n)]), np.sort(perm[int(0.7 * n):])),
+            "family": (np.flatnonzero(~fam), np.flatnonzero(fam))}
+
+
+def fit(x: np.ndarray, y: np.ndarray, seed: int = 0) -> head_lib.Head:
+    """A head trained on 80% of (x, y) and calibrated on the rest."""
+    perm = np.random.default_rng(seed).permutation(len(x))
+    cut = int(0.8 * len(x))
+    fit_idx, cal_idx = perm[:cut], perm[cut:]
+    head = head_lib.train(x[fit_idx], y[fit_idx], names=feat.NAMES, seed=seed)
+    return head_lib.calibrate(head, x[cal_idx], y[cal_idx])
+
+
+def probe_seconds(weak: LLM, n: int) -> float:
+    """Seconds per request of the router's probe alone (prefill + one token with its top
+    logprobs), on n questions the weak model has not seen (no prefix-cache hits)."""
+    items = make_items(n, seed=2)
+    sp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=feat.TOP_K)
+    t0 = time.perf_counter()
+    weak.generate([it.prompt for it in items], sp, use_tqdm=False)
+    return (time.perf_counter() - t0) / n
+
+
+def modeled_seconds(llm: LLM, prompt_tokens: float, output_tokens: float) -> float:
+    """A request's roofline seconds on the paper's GPU (paged_jax/cost_model.py) with this
+    model's size: one prefill pass, then one pass per further output token (batch 1)."""
+    n = sum(x.size for x in jax.tree.leaves(llm.llm_engine.params))
+    gpu = GpuCostModel(name="fp16 roofline", weight_bytes=2.0 * n, parameters=float(n))
+    pool = 1 << 20  # KV is a rounding error for these short requests
+    first = gpu.step_seconds(1, round(prompt_tokens), 0, pool)
+    return first + max(output_tokens - 1, 0) * gpu.step_seconds(1, 1, 0, pool)
+
+
+def costs(weak: LLM, strong: LLM, w: dict, s: dict, items: list[Item]) -> dict:
+    """Seconds per request: measured here (batched runs) and modeled on a GPU, per model, and
+    the router's probe."""
+    prompt = float(np.mean([len(weak.get_tokenizer().encode(it.prompt)) for it in items]))
+    out = {m: r["tokens"] / len(items) for m, r in zip(MODELS, (w, s), strict=True)}
+    measured = {m: r["seconds"] / len(items) for m, r in zip(MODELS, (w, s), strict=True)}
+    measured["probe"] = probe_seconds(weak, max(8, len(items) // 4))
+    modeled = {m: modeled_seconds(llm, prompt, out[m])
+               for m, llm in zip(MODELS, (weak, strong), strict=True)}
+    modeled["probe"] = modeled_seconds(weak, prompt, 1)
+    return dict(measured_cpu=measured, modeled_gpu=modeled, output_tokens=out)
+
+
+def build(weak: LLM, strong: LLM, items: list[Item]) -> dict:
+    """Labels, features, costs, splits and one head per split."""
+    w, s = answer(weak, items, probe=True), answer(strong, items, probe=False)
+    y = np.stack([w["correct"], s["correct"]], 1).astype(np.float32)
+    heads = {}
+    for name, (tr, te) in splits(items).items():
+        head = fit(w["x"][tr], y[tr])
+        p = head.predict(w["x"][te])
+        head.metrics = dict(
+            split=name, train=len(tr), test=len(te),
+            ece=[head_lib.calibration(p[:, j], y[te, j]) for j in range(2)],
+            train_gains=sorted(head.gain(w["x"][tr]).round(5).tolist()))
+        heads[name] = head
+    return dict(x=w["x"], y=y, heads=heads, cost=costs(weak, strong, w, s, items),
+                texts=(w["texts"], s["texts"]),
+                accuracy=dict(zip(MODELS, y.mean(0).tolist(), strict=True)))
+
+
+def save(data: dict, items: list[Item], folder: Path = TRAINED) -> None:
+    """Writes the training data (orbax), the random split's head, and metrics.json."""
+    folder = folder.absolute()
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays = dict(x=data["x"], y=data["y"],
+                  family=np.array([list(FAMILIES).index(it.family) for it in items]),
+                  difficulty=np.array([it.difficulty for it in items]))
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(folder / "data", arrays, force=True)
+    head_lib.save(data["heads"]["random"], folder / "head")
+    metrics = dict(models=MODELS, items=len(items), accuracy=data["accuracy"], cost=data["cost"],
+                   features=feat.NAMES, families=list(FAMILIES),
+                   ece={k: h.metrics["ece"] for k, h in data["heads"].items()})
+    (folder / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--items", type=int, default=840)
+    ap.add_argument("--quick", action="store_true", help="168 items")
+    ap.add_argument("--out", type=Path, default=TRAINED)
+    args = ap.parse_args(argv)
+    items = make_items(168 if args.quick else args.items, seed=0)
+    weak, strong = (LLM(m, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=512)
+                    for m in MODELS)
+    data = build(weak, strong, items)
+    save(data, items, args.out)
+    print(json.dumps(dict(accuracy=data["accuracy"], cost=data["cost"]), indent=1))
+    return data
+
+
+if __name__ == "__main__":
+    main()

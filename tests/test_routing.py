@@ -1,0 +1,242 @@
+"""paged_jax.routing: the question set, features, the head, the curves, and RoutedLLM on two
+tiny models (each routed output must be what its model gives alone; nothing lost)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from paged_jax import LLM, SamplingParams
+from paged_jax.models.testing import byte_tokenizer, random_params, tiny_config
+from paged_jax.outputs import Logprob
+from paged_jax.routing import curves as cv
+from paged_jax.routing import features as feat
+from paged_jax.routing import head as head_lib
+from paged_jax.routing.router import RoutedLLM
+from paged_jax.routing.tasks import FAMILIES, make_item, make_items, table
+
+
+def test_items_are_seeded_graded_and_checkable():
+    a, b = make_items(60, seed=3), make_items(60, seed=3)
+    assert a == b and a != make_items(60, seed=4)
+    grid = {(it.family, it.difficulty) for it in make_items(200)}
+    assert grid == {(f, d) for f, (_, ds) in FAMILIES.items() for d in ds}
+    for it in a:
+        assert it.prompt.endswith("A:") and it.prompt.count("Q: ") == 4
+        assert it.correct(f" {it.answer}\nQ: next") and not it.correct(f" {it.answer}0")
+    add = make_item("add", 3, random.Random(0))
+    q = add.prompt.split("\n")[-2]
+    x, y = (int(t.strip("?")) for t in q.removeprefix("Q: What is ").split(" + "))
+    assert add.answer == str(x + y)
+    look = make_item("lookup", 4, random.Random(1))
+    name = look.prompt.split("what does ")[-1].split(" cost?")[0]
+    assert (name, look.answer) in table()
+
+
+def _top(lps):
+    return {i: Logprob(lp, rank=i + 1) for i, lp in enumerate(lps)}
+
+
+def test_features_tell_sure_from_unsure():
+    sure = feat.logprob_features(_top([-0.01] + [-8.0] * 19))
+    unsure = feat.logprob_features(_top([-2.5] * 20))
+    assert sure[0] > unsure[0] and sure[1] > unsure[1] and sure[2] < unsure[2]
+    x = feat.features("Q: What is 1 + 2?\nA: 3\nQ: What is 4812 + 377?\nA:", _top([-1.0, -2.0]))
+    assert x.shape == (len(feat.NAMES),)
+    by = dict(zip(feat.NAMES, x.tolist(), strict=True))
+    assert by["digits"] == 7 and by["longest_number"] == 4
+
+
+def test_head_learns_calibrates_and_round_trips(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((600, 3)).astype(np.float32)
+    y = np.stack([x[:, 0] < 0.3, x[:, 1] + 0.3 * rng.standard_normal(600) > 0], 1)
+    y = y.astype(np.float32)
+    head = head_lib.train(x[:400], y[:400], steps=300)
+    p = head.predict(x[400:])
+    assert ((p > 0.5) == y[400:]).mean() > 0.85
+    sharp = dataclasses.replace(head, params={**head.params, "w2": head.params["w2"] * 4,
+                                              "b2": head.params["b2"] * 4})
+    fixed = head_lib.calibrate(sharp, x[:400], y[:400])
+    ece = lambda h: head_lib.calibration(h.predict(x[400:])[:, 1], y[400:, 1])  # noqa: E731
+    assert ece(fixed) < ece(sharp)
+    gain = head.gain(x)
+    assert abs((gain > head_lib.threshold_for_share(gain, 0.3)).mean() - 0.3) < 0.01
+    head.metrics = dict(note="kept")
+    back = head_lib.load(head_lib.save(head, tmp_path / "h"))
+    np.testing.assert_array_equal(back.predict(x), head.predict(x))
+    assert back.metrics == head.metrics
+    with pytest.raises(FileNotFoundError, match="python -m paged_jax.routing.train"):
+        head_lib.load(tmp_path / "none")
+
+
+def test_curves_on_a_known_case():
+    # 10 requests: 4 both right, 3 only strong right, 1 only weak right, 2 both wrong.
+    y = np.array([[1, 1]] * 4 + [[0, 1]] * 3 + [[1, 0]] + [[0, 0]] * 2, np.float64)
+    perfect = y[:, 1] - y[:, 0]
+    c = cv.curves(y, perfect)
+    assert c["weak"][0]["quality"] == 0.5 and c["strong"][0]["quality"] == pytest.approx(0.7)
+    assert [p["quality"] for p in c["oracle"]][:4] == pytest.approx([0.5, 0.6, 0.7, 0.8])
+    assert c["router"] == c["oracle"]
+    assert cv.gap_recovered(c["router"], 0.5, 0.7, 0.5) == pytest.approx(1.5)
+    assert c["random"][5]["quality"] == pytest.approx(0.6)
+    saved = cv.cost_saved_at(y, perfect, cost_weak=1.0, cost_strong=4.0, cost_probe=0.5)
+    # 95% of 0.7 is 0.665: two moved requests (0.7) reach it; 0.8 * 1 + 0.2 * 4.5 = 1.7
+    assert saved["strong_share"] == 0.2 and saved["cost_saved"] == pytest.approx(1 - 1.7 / 4)
+
+
+PROMPTS = [f"Q: {'word ' * (i % 6)}{i}?\nA:" for i in range(10)]
+SP = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """Two tiny models with different weights, and a head that sends long questions to the
+    strong one (its gain grows with the question's length)."""
+    cfg, tok = tiny_config(), byte_tokenizer()
+    weak, strong = (LLM(model_parts=(cfg, random_params(cfg, seed=s), tok), max_num_seqs=8,
+                        max_num_batched_tokens=128, max_model_len=1100, block_size=8,
+                        num_kv_blocks=1200) for s in (0, 1))
+    f = len(feat.NAMES)
+    w2 = np.zeros((head_lib.HIDDEN, 2), np.float32)
+    w2[0, 1] = 4.0
+    params = dict(w1=np.eye(f, head_lib.HIDDEN, dtype=np.float32) * 0, b1=np.zeros(
+        head_lib.HIDDEN, np.float32), w2=w2, b2=np.zeros(2, np.float32))
+    params["w1"][feat.NAMES.index("chars"), 0] = 1.0
+    x = np.stack([feat.features(p, _top([-1.0, -2.0])) for p in PROMPTS])
+    head = head_lib.Head(params, x.mean(0), x.std(0) + 1e-3, np.ones(2, np.float32), feat.NAMES)
+    return weak, strong, head
+
+
+def test_routed_outputs_are_each_models_own(pair):
+    weak, strong, head = pair
+    thr = float(np.median(head.gain(np.stack([feat.features(p, _top([-1.0, -2.0]))
+                                              for p in PROMPTS]))))
+    router = RoutedLLM(weak, strong, head, threshold=thr, names=("w", "s"))
+    outs = router.generate(PROMPTS, SP)
+    assert [o.prompt for o in outs] == PROMPTS  # all served, in order
+    assert {o.model for o in outs} == {"w", "s"}
+    alone = {"w": weak.generate(PROMPTS, SP, use_tqdm=False),
+             "s": strong.generate(PROMPTS, SP, use_tqdm=False)}
+    for i, o in enumerate(outs):
+        route = router.routes[o.request_id]
+        assert route.model == o.model and (route.gain > thr) == (o.model == "s")
+        assert o.outputs[0].token_ids == alone[o.model][i].outputs[0].token_ids
+        assert o.outputs[0].logprobs is None and o.outputs[0].cumulative_logprob is None
+    assert not weak.llm_engine.has_unfinished() and not strong.llm_engine.has_unfinished()
+    # a moved request's prompt blocks stay in the weak model's prefix cache
+    moved = next(i for i, o in enumerate(outs) if o.model == "s")
+    again = weak.generate(PROMPTS[moved], SP, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 8
+
+
+def test_kept_requests_cost_the_weak_model_nothing_more(pair):
+    """Two equal weak engines: one serves the prompts alone (with the router's logprobs), one
+    through a router that keeps everything; they compute the same tokens."""
+    _, strong, head = pair
+    probe = dataclasses.replace(SP, logprobs=feat.TOP_K)
+    cfg, tok = tiny_config(), byte_tokenizer()
+    mk = lambda: LLM(model_parts=(cfg, random_params(cfg, seed=0), tok), max_num_seqs=8,  # noqa: E731
+                     max_num_batched_tokens=64, max_model_len=256, block_size=8,
+                     num_kv_blocks=160, enable_prefix_caching=False)
+    a, b = mk(), mk()
+    a.generate(PROMPTS, probe, use_tqdm=False)
+    outs = RoutedLLM(b, strong, head, threshold=np.inf).generate(PROMPTS, SP)
+    assert {o.model for o in outs} == {"weak"}
+    work = lambda llm: sum(s.num_tokens for s in llm.llm_engine.stats)  # noqa: E731
+    assert work(b) == work(a)  # no prompt computed twice
+
+
+def test_logprobs_the_caller_asked_for_survive(pair):
+    weak, strong, head = pair
+    sp = dataclasses.replace(SP, logprobs=2)
+    out = RoutedLLM(weak, strong, head, threshold=np.inf).generate(PROMPTS[:2], sp)
+    own = weak.generate(PROMPTS[:2], sp, use_tqdm=False)
+    for o, w in zip(out, own, strict=True):
+        assert [set(p) for p in o.outputs[0].logprobs] == [set(p) for p in w.outputs[0].logprobs]
+        assert o.outputs[0].cumulative_logprob == pytest.approx(w.outputs[0].cumulative_logprob)
+
+
+def test_shares_and_bad_values(pair):
+    weak, strong, head = pair
+    head = dataclasses.replace(head, metrics=dict(train_gains=list(np.linspace(-1, 1, 101))))
+    assert {o.model for o in RoutedLLM(weak, strong, head, strong_share=1.0).generate(
+        PROMPTS[:3], SP)} == {"strong"}
+    assert {o.model for o in RoutedLLM(weak, strong, head, strong_share=0.0).generate(
+        PROMPTS[:3], SP)} == {"weak"}
+    with pytest.raises(ValueError, match="strong_share must be in"):
+        RoutedLLM(weak, strong, head, strong_share=1.5)
+    with pytest.raises(ValueError, match="sampling_params"):
+        RoutedLLM(weak, strong, head).generate(PROMPTS[:2], [SP])
+
+
+def test_build_labels_features_and_saves(pair, tmp_path):
+    """routing.train on two tiny models: labels from each model's own answers, features from
+    the weak one's, a head per split, everything saved and loaded back."""
+    from paged_jax.routing import train
+
+    weak, strong, _ = pair
+    items = make_items(len(FAMILIES) * 6, seed=9)
+    data = train.build(weak, strong, items)
+    assert data["x"].shape == (len(items), len(feat.NAMES)) and data["y"].shape == (len(items), 2)
+    own = weak.generate([it.prompt for it in items[:4]], SamplingParams(
+        temperature=0.0, max_tokens=train.MAX_TOKENS, stop=["\n"]), use_tqdm=False)
+    assert data["texts"][0][:4] == [o.outputs[0].text for o in own]
+    assert data["y"][:, 0].tolist() == [float(it.correct(t)) for it, t in
+                                        zip(items, data["texts"][0], strict=True)]
+    tr_, te = train.splits(items)["family"]
+    assert {items[i].family for i in te} == set(train.FAMILY_TEST)
+    assert not {items[i].family for i in tr_} & set(train.FAMILY_TEST)
+    assert set(data["cost"]["measured_cpu"]) == {*train.MODELS, "probe"}
+    train.save(data, items, tmp_path)
+    head = head_lib.load(tmp_path / "head")
+    np.testing.assert_allclose(head.gain(data["x"]), data["heads"]["random"].gain(data["x"]))
+    assert head.metrics["split"] == "random" and (tmp_path / "metrics.json").is_file()
+
+
+def test_slo_mode_keeps_requests_off_a_backed_up_strong_model(pair):
+    from paged_jax.routing import sla
+
+    weak, strong, head = pair
+    eng = strong.llm_engine
+    assert sla.Estimate(None, None).meets(1e-9, 1e-9)  # no history: assumed to meet it
+    strong.generate(PROMPTS, SP, use_tqdm=False)  # history: prefill rate, decode step time
+    est = sla.estimate(eng, 10)
+    assert est.ttft > 0 and est.tpot > 0
+    for i in range(6):  # a queue the estimate must see
+        eng.add_request(f"backlog{i}", "x" * 300, SP)
+    assert sla.queued_tokens(eng) >= 1800 and sla.estimate(eng, 10).ttft > 50 * est.ttft
+    always = dataclasses.replace(head, metrics=dict(train_gains=[-1.0]))
+    router = RoutedLLM(weak, strong, always, threshold=-np.inf, ttft_slo=20 * est.ttft)
+    outs = router.generate(PROMPTS[:3], SP)
+    assert {o.model for o in outs} == {"weak"}
+    assert all(r.held_by_slo for r in router.routes.values())
+    while eng.has_unfinished():  # drain the backlog: now the strong model meets the bound
+        eng.step()
+    outs = router.generate(PROMPTS[:3], SP)
+    assert {o.model for o in outs} == {"strong"}
+    with pytest.raises(ValueError, match="ttft_slo must be a positive"):
+        RoutedLLM(weak, strong, head, ttft_slo=0)
+
+
+def test_the_shipped_head_matches_the_features():
+    """paged_jax/routing/trained (committed; `python -m paged_jax.routing.train` rebuilds it)
+    loads, speaks the current feature names, and knows its training gains."""
+    head = head_lib.load()
+    assert head.names == feat.NAMES and head.params["w1"].shape == (len(feat.NAMES),
+                                                                      head_lib.HIDDEN)
+    gains = head.metrics["train_gains"]
+    assert len(gains) > 100 and gains == sorted(gains)
+    p = head.predict(np.zeros((3, len(feat.NAMES)), np.float32))
+    assert p.shape == (3, 2) and np.all((p > 0) & (p < 1))
+
+
+def test_a_bad_request_leaves_nothing_queued(pair):
+    weak, strong, head = pair
+    router = RoutedLLM(weak, strong, head)
+    with pytest.raises(ValueError, match="max_model_len"):
+        router.generate(PROMPTS[:2] + ["x" * 5000], SP)
+    assert not weak.llm_engine.has_unfinished() and not weak.llm_engine.requests
