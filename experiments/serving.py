@@ -116,7 +116,8 @@ def serve(engine: Engine, items: list[WorkItem], params=None, on_step=None,
         outs = engine.step()
         wall = time.perf_counter() - t0
         snaps.append(kv_snapshot(engine))
-        clock += wall if cost is None else _modeled(cost, engine, snaps[-1])
+        clock += wall if cost is None else cost.last_step_seconds(engine,
+                                                                  snaps[-1]["token_states"])
         for o in outs:
             _record(timings[o.request_id], o, clock)
             if o.finished:
@@ -125,12 +126,6 @@ def serve(engine: Engine, items: list[WorkItem], params=None, on_step=None,
             on_step()
     span = clock - (pending[0].arrival if pending else 0.0)
     return Run(list(timings.values()), snaps, list(engine.stats), span, outputs)
-
-
-def _modeled(cost: GpuCostModel, engine: Engine, snap: dict) -> float:
-    st, cfg = engine.stats[-1], engine.config
-    return cost.step_seconds(st.num_steps, st.num_tokens, snap["token_states"],
-                             (cfg.num_kv_blocks - 1) * cfg.block_size)
 
 
 def _record(t: Timing, out, clock: float) -> None:

@@ -52,5 +52,12 @@ class GpuCostModel:
         compute = tokens * 2 * self.parameters / self.peak_flops
         return max(memory, compute)
 
+    def last_step_seconds(self, engine, cached_tokens: int) -> float:
+        """Modeled seconds of the engine's last step (its `stats[-1]`), with `cached_tokens`
+        in its cache after it (metrics.kv_snapshot's token_states)."""
+        st, cfg = engine.stats[-1], engine.config
+        return self.step_seconds(st.num_steps, st.num_tokens, cached_tokens,
+                                 (cfg.num_kv_blocks - 1) * cfg.block_size)
+
     def describe(self) -> dict:
         return dataclasses.asdict(self)

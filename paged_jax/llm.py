@@ -68,6 +68,19 @@ def memory_for_kv(utilization: float, params) -> int:
     return room
 
 
+def as_requests(
+    prompts: str | dict | Seq, sampling_params: SamplingParams | Seq | None
+) -> tuple[list, list[SamplingParams]]:
+    """generate's arguments as two equal lists: prompts, and one SamplingParams each."""
+    prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+    if len(sampling_params) != len(prompts):
+        raise ValueError(f"got {len(sampling_params)} sampling_params for "
+                         f"{len(prompts)} prompts")
+    return prompts, list(sampling_params)
+
+
 def _bar_off(use_tqdm: bool) -> bool | None:
     """tqdm's `disable`: off when not asked; in a terminal, off when stderr is not a TTY
     (None: logs and CI output get no carriage-return spam); on in notebooks (widgets)."""
@@ -161,14 +174,7 @@ class LLM:
           sampling_params: one SamplingParams for all, or one per prompt; default vLLM's.
           use_tqdm: show a progress bar with requests done and output tokens/s.
         """
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} sampling_params for "
-                             f"{len(prompts)} prompts")
+        prompts, sampling_params = as_requests(prompts, sampling_params)
         ids = []
         try:
             for p, sp in zip(prompts, sampling_params, strict=True):

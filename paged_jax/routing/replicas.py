@@ -38,13 +38,6 @@ def shared_prefix_traffic(n: int, rate: float, *, groups: int = 16, prefix_len: 
                      int(rng.integers(16, 49)), float(t[i])) for i in range(n)]
 
 
-def step_seconds(cost: GpuCostModel, engine: Engine) -> float:
-    """The modeled time of the engine's last step."""
-    st, cfg, snap = engine.stats[-1], engine.config, kv_snapshot(engine)
-    return cost.step_seconds(st.num_steps, st.num_tokens, snap["token_states"],
-                             (cfg.num_kv_blocks - 1) * cfg.block_size)
-
-
 def simulate(engines: list[Engine], items: list[WorkItem], policy: str,
              cost: GpuCostModel = GPU) -> dict:
     """Serves `items` on fresh `engines` under `policy`: latency, throughput, cache hits."""
@@ -58,7 +51,8 @@ def simulate(engines: list[Engine], items: list[WorkItem], policy: str,
         if busy and (i == len(pending) or min(clock[r] for r in busy) < pending[i].arrival):
             r = min(busy, key=lambda k: clock[k])
             outs = engines[r].step()
-            clock[r] += step_seconds(cost, engines[r])
+            clock[r] += cost.last_step_seconds(engines[r],
+                                               kv_snapshot(engines[r])["token_states"])
             for o in outs:
                 first.setdefault(o.request_id, clock[r])
                 if o.finished:

@@ -26,7 +26,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from paged_jax.llm import LLM
+from paged_jax.llm import LLM, as_requests
 from paged_jax.outputs import RequestOutput
 from paged_jax.routing import features as feat
 from paged_jax.routing import sla
@@ -78,11 +78,7 @@ class RoutedLLM:
                  = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """As LLM.generate; each output's `model` names the model that served it, and
         `self.routes[request_id]` keeps the decision."""
-        prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
-        sps = (sampling_params if isinstance(sampling_params, Seq)
-               else [sampling_params or SamplingParams()] * len(prompts))
-        if len(sps) != len(prompts):
-            raise ValueError(f"got {len(sps)} sampling_params for {len(prompts)} prompts")
+        prompts, sps = as_requests(prompts, sampling_params)
         asked = {}
         try:
             for p, sp in zip(prompts, sps, strict=True):
