@@ -4,6 +4,7 @@
 
 Weak model SmolLM2-135M-Instruct, strong model Gemma 3 270M (base); both answer the same
 few-shot questions (paged_jax/routing/tasks.py). From one labelled run (routing/train.py):
+Open questions ("define") are labelled by each model's likelihood of a reference answer.
 1. per held-out split (random 30%, and two task families never seen in training): the curve
    of quality vs strong share for the trained router, random routing, the oracle, and the
    always-weak / always-strong points; the share of the weak-to-strong gap recovered at a 50%
@@ -70,8 +71,9 @@ def end_to_end(weak: LLM, strong: LLM, head, n: int) -> dict:
     lat = overhead(weak, router, prompts[:8], sp)
     return dict(requests=n, served=len(routed), identical_to_own_model=int(same),
                 strong_share=float(np.mean([o.model == tr.MODELS[1] for o in routed])),
-                quality=float(np.mean([it.correct(o.outputs[0].text)
-                                       for it, o in zip(items, routed, strict=True)])),
+                quality=float(np.mean([it.correct(o.outputs[0].text)  # checked items only
+                                       for it, o in zip(items, routed, strict=True)
+                                       if not it.open])),
                 **lat)
 
 
@@ -140,7 +142,8 @@ def main(argv: list[str] | None = None, name: str = "routing") -> dict:
                     for m in tr.MODELS)
     data = tr.build(weak, strong, items)
     res = dict(models=dict(weak=tr.MODELS[0], strong=tr.MODELS[1]), items=len(items),
-               accuracy=data["accuracy"], cost=data["cost"], features=feat.NAMES)
+               accuracy=data["accuracy"], cost=data["cost"], features=feat.NAMES,
+               open={k: v for k, v in data["open"].items() if k not in ("index", "scores")})
     res["splits"] = split_results(data, items)
     res.update({p: res["splits"]["random"]["curves"][p] for p in POLICIES})
     saved = res["splits"]["random"]["cost_saved_at_95"]
@@ -158,6 +161,7 @@ def main(argv: list[str] | None = None, name: str = "routing") -> dict:
 
 def show(res: dict) -> None:
     print(f"accuracy: {res['accuracy']}  cost: {res['cost']}")
+    print(f"open questions (labelled by the reference's likelihood): {res['open']}")
     for split, r in res["splits"].items():
         rows = [dict(share=p["strong_share"], router=p["quality"], random=q["quality"],
                      oracle=o["quality"]) for p, q, o in zip(

@@ -11,12 +11,13 @@ import pytest
 
 from paged_jax import LLM, SamplingParams
 from paged_jax.models.testing import byte_tokenizer, random_params, tiny_config
-from paged_jax.outputs import Logprob
 from paged_jax.routing import curves as cv
 from paged_jax.routing import features as feat
 from paged_jax.routing import head as head_lib
 from paged_jax.routing.router import RoutedLLM
 from paged_jax.routing.tasks import FAMILIES, make_item, make_items, table
+from tests.routing_helpers import PROMPTS, SP, tiny_pair
+from tests.routing_helpers import top as _top
 
 
 def test_items_are_seeded_graded_and_checkable():
@@ -34,10 +35,6 @@ def test_items_are_seeded_graded_and_checkable():
     look = make_item("lookup", 4, random.Random(1))
     name = look.prompt.split("what does ")[-1].split(" cost?")[0]
     assert (name, look.answer) in table()
-
-
-def _top(lps):
-    return {i: Logprob(lp, rank=i + 1) for i, lp in enumerate(lps)}
 
 
 def test_features_tell_sure_from_unsure():
@@ -88,27 +85,9 @@ def test_curves_on_a_known_case():
     assert saved["strong_share"] == 0.2 and saved["cost_saved"] == pytest.approx(1 - 1.7 / 4)
 
 
-PROMPTS = [f"Q: {'word ' * (i % 6)}{i}?\nA:" for i in range(10)]
-SP = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-
-
 @pytest.fixture(scope="module")
 def pair():
-    """Two tiny models with different weights, and a head that sends long questions to the
-    strong one (its gain grows with the question's length)."""
-    cfg, tok = tiny_config(), byte_tokenizer()
-    weak, strong = (LLM(model_parts=(cfg, random_params(cfg, seed=s), tok), max_num_seqs=8,
-                        max_num_batched_tokens=128, max_model_len=1100, block_size=8,
-                        num_kv_blocks=1200) for s in (0, 1))
-    f = len(feat.NAMES)
-    w2 = np.zeros((head_lib.HIDDEN, 2), np.float32)
-    w2[0, 1] = 4.0
-    params = dict(w1=np.eye(f, head_lib.HIDDEN, dtype=np.float32) * 0, b1=np.zeros(
-        head_lib.HIDDEN, np.float32), w2=w2, b2=np.zeros(2, np.float32))
-    params["w1"][feat.NAMES.index("chars"), 0] = 1.0
-    x = np.stack([feat.features(p, _top([-1.0, -2.0])) for p in PROMPTS])
-    head = head_lib.Head(params, x.mean(0), x.std(0) + 1e-3, np.ones(2, np.float32), feat.NAMES)
-    return weak, strong, head
+    return tiny_pair()
 
 
 def test_routed_outputs_are_each_models_own(pair):
@@ -176,6 +155,7 @@ def test_shares_and_bad_values(pair):
 def test_build_labels_features_and_saves(pair, tmp_path):
     """routing.train on two tiny models: labels from each model's own answers, features from
     the weak one's, a head per split, everything saved and loaded back."""
+    from paged_jax.routing import likelihood as lk
     from paged_jax.routing import train
 
     weak, strong, _ = pair
@@ -185,8 +165,13 @@ def test_build_labels_features_and_saves(pair, tmp_path):
     own = weak.generate([it.prompt for it in items[:4]], SamplingParams(
         temperature=0.0, max_tokens=train.MAX_TOKENS, stop=["\n"]), use_tqdm=False)
     assert data["texts"][0][:4] == [o.outputs[0].text for o in own]
-    assert data["y"][:, 0].tolist() == [float(it.correct(t)) for it, t in
-                                        zip(items, data["texts"][0], strict=True)]
+    checked = [i for i, it in enumerate(items) if not it.open]
+    assert data["y"][checked, 0].tolist() == [float(items[i].correct(data["texts"][0][i]))
+                                              for i in checked]
+    opened = data["open"]  # open items: labelled by the reference's likelihood
+    assert opened["index"] == [i for i, it in enumerate(items) if it.open] != []
+    assert data["y"][opened["index"]].tolist() == lk.labels(np.array(opened["scores"]))[
+        0].tolist()
     tr_, te = train.splits(items)["family"]
     assert {items[i].family for i in te} == set(train.FAMILY_TEST)
     assert not {items[i].family for i in tr_} & set(train.FAMILY_TEST)
@@ -240,3 +225,27 @@ def test_a_bad_request_leaves_nothing_queued(pair):
     with pytest.raises(ValueError, match="max_model_len"):
         router.generate(PROMPTS[:2] + ["x" * 5000], SP)
     assert not weak.llm_engine.has_unfinished() and not weak.llm_engine.requests
+
+
+def test_reference_likelihood_is_a_dense_forwards_per_byte(pair):
+    """The score of a reference is a dense forward's log-softmax summed over the reference's
+    tokens, per byte; the median cut halves the labels."""
+    from paged_jax.config import CacheConfig
+    from paged_jax.models.runner import Runner
+    from paged_jax.routing import likelihood as lk
+
+    weak, strong, _ = pair
+    refs = [" a cat.", " 42", " no idea at all", " Paris."]
+    got = lk.reference_logprob(weak, PROMPTS[:4], refs)
+    cfg, tok = tiny_config(), weak.get_tokenizer()
+    params = random_params(cfg, seed=0)
+    for g, p, r in zip(got, PROMPTS, refs, strict=False):
+        ids, k = tok.encode(p + r), len(tok.encode(p))
+        logits = Runner(cfg, params, CacheConfig(64, 8, 1, 32)).step([ids], all_logits=True)
+        lp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+        want = sum(lp[i - 1, ids[i]] for i in range(k, len(ids))) / len(r.encode())
+        assert g == pytest.approx(want, abs=2e-4)
+    other = lk.reference_logprob(strong, PROMPTS[:4], refs)
+    y, cut = lk.labels(np.stack([got, other], 1))
+    assert y.shape == (4, 2) and y.mean() == 0.5 and cut == pytest.approx(np.median(
+        np.r_[got, other]))

@@ -114,7 +114,7 @@ def test_client_leaving_mid_stream_aborts_and_frees_blocks():
                 break
             time.sleep(0.2)
         assert metric(text, "vllm:request_success_total", finished_reason="abort") == 1
-        engine = srv.app.state.served.engine.engine
+        engine = srv.app.state.models[MODEL].engine.engine
         deadline = time.time() + 10
         while engine.kv.blocks_used() and time.time() < deadline:
             time.sleep(0.1)

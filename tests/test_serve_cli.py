@@ -13,6 +13,7 @@ import time
 import httpx
 import numpy as np
 import openai
+import pytest
 
 from tests.test_models_gguf import hf_weights, write_gguf
 
@@ -23,14 +24,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_cli_serves_a_gguf_and_stops_gracefully(tmp_path):
-    path = tmp_path / "tiny.gguf"
+@pytest.mark.parametrize("routed", [False, True], ids=["one-model", "routed"])
+def test_cli_serves_a_gguf_and_stops_gracefully(tmp_path, routed):
+    """Routed: `--strong-model` adds a second GGUF and "auto" (the shipped head routes)."""
+    path, strong = tmp_path / "tiny.gguf", tmp_path / "tiny2.gguf"
     write_gguf(path, hf_weights(np.random.default_rng(0)))
+    extra = []
+    if routed:
+        write_gguf(strong, hf_weights(np.random.default_rng(1)))
+        extra = ["--strong-model", str(strong)]
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "paged_jax.serve", str(path), "--port", str(port),
          "--max-model-len", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-         "--kv-cache-memory", str(1 << 22)],
+         "--kv-cache-memory", str(1 << 22), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
@@ -45,9 +52,11 @@ def test_cli_serves_a_gguf_and_stops_gracefully(tmp_path):
             assert time.time() < deadline, "the server did not come up"
             time.sleep(0.5)
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=60, max_retries=0)
-        assert c.models.list().data[0].id == "tiny"
-        res = c.completions.create(model="tiny", prompt="ab a", max_tokens=5, temperature=0)
+        names = [m.id for m in c.models.list().data]
+        assert names == (["tiny", "tiny2", "auto"] if routed else ["tiny"])
+        res = c.completions.create(model=names[-1], prompt="ab a", max_tokens=5, temperature=0)
         assert res.usage.prompt_tokens >= 3 and res.choices[0].finish_reason in ("length", "stop")
+        assert res.model in names[:2]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0, proc.stdout.read()
     finally:

@@ -66,6 +66,10 @@ class Balancer:
         r, tokens = self._cost.pop(request_id)
         self.outstanding[r] -= tokens
 
+    def holds(self, request_id: str) -> bool:
+        """Whether a request's load is counted (picked, not yet done)."""
+        return request_id in self._cost
+
     @staticmethod
     def cached_tokens(engine: Engine, prompt_ids: list[int]) -> int:
         """Prompt tokens the engine's prefix cache would serve (0 without prefix caching)."""

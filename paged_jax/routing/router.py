@@ -84,8 +84,7 @@ class RoutedLLM:
             for p, sp in zip(prompts, sps, strict=True):
                 rid = f"routed-{self._id}-{self._counter}"  # unique across routers of an LLM
                 self._counter += 1
-                probe = dataclasses.replace(sp, logprobs=max(sp.logprobs or 0, feat.TOP_K))
-                self.weak.llm_engine.add_request(rid, p, probe)
+                self.weak.llm_engine.add_request(rid, p, self.probe_params(sp))
                 asked[rid] = (p, sp)
         except Exception:  # a bad request: none of this call's requests stays queued
             for rid in asked:
@@ -115,25 +114,36 @@ class RoutedLLM:
                 raise RuntimeError("engines idle with unfinished routed requests")  # a bug
         return [done[r] for r in asked]
 
+    def probe_params(self, sp: SamplingParams) -> SamplingParams:
+        """`sp` with the first-token logprobs the head's features need."""
+        return dataclasses.replace(sp, logprobs=max(sp.logprobs or 0, feat.TOP_K))
+
+    def decide(self, prompt_text: str, first: RequestOutput) -> Route:
+        """Where a request goes, from the weak model's first output (asked with
+        `probe_params`). In SLA mode it reads the strong engine's queue and recent steps
+        (a server calls this off the engine's thread: a racy read of counts, good enough for
+        an estimate)."""
+        x = feat.features(prompt_text, first.outputs[0].logprobs[0])
+        gain = float(self.head.gain(x[None])[0])
+        go_strong = gain > self.threshold
+        held = go_strong and not sla.estimate(
+            self.strong.llm_engine, len(first.prompt_token_ids)).meets(*self.slo)
+        go_strong &= not held
+        return Route(self.names[int(go_strong)], gain, x.tolist(), held)
+
     def _on_weak(self, out: RequestOutput, asked: dict, done: dict) -> None:
         rid = out.request_id
         if rid not in asked:
             return
         if rid not in self.routes and out.outputs and out.outputs[0].logprobs:
             prompt, sp = asked[rid]
-            x = feat.features(self._text(out), out.outputs[0].logprobs[0])
-            gain = float(self.head.gain(x[None])[0])
-            go_strong = gain > self.threshold
-            held = go_strong and not sla.estimate(
-                self.strong.llm_engine, len(out.prompt_token_ids)).meets(*self.slo)
-            go_strong &= not held
-            self.routes[rid] = Route(self.names[int(go_strong)], gain, x.tolist(), held)
-            if go_strong:
+            self.routes[rid] = route = self.decide(self._text(out), out)
+            if route.model == self.names[1]:
                 self.weak.llm_engine.abort(rid)
                 self.strong.llm_engine.add_request(rid, prompt, sp)
                 return
         if out.finished and self.routes.get(rid) and self.routes[rid].model == self.names[0]:
-            done[rid] = _as_asked(dataclasses.replace(out, model=self.names[0]), asked[rid][1])
+            done[rid] = as_asked(dataclasses.replace(out, model=self.names[0]), asked[rid][1])
 
     def _text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.weak.get_tokenizer().decode(
@@ -147,7 +157,7 @@ def head_threshold(head: Head, share: float) -> float:
     return threshold_for_share(gains, share)
 
 
-def _as_asked(out: RequestOutput, sp: SamplingParams) -> RequestOutput:
+def as_asked(out: RequestOutput, sp: SamplingParams) -> RequestOutput:
     """The output without the logprobs the router asked for and the caller did not."""
     k = sp.logprobs
     outs = []

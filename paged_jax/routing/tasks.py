@@ -18,9 +18,13 @@ and the answer is the completion up to its first newline, compared after strippi
                                                           (tiers 1..5, routing/data/capitals.csv)
     opposite  "What is the opposite of 'brave'?"          tiers 1..3 (data/opposites.csv)
     after     "Which letter comes 2 after 'k'?"           the step (1..4)
+    define    "What is a fjord?"                          how common the word is (tiers
+                                                          1..3, routing/data/definitions.csv)
 
-The first seven are worked out in the prompt (the model must compute); the last three test
-what a model knows, where a bigger model is expected to do better.
+The first seven are worked out in the prompt (the model must compute); the rest test what a
+model knows, where a bigger model is expected to do better. "define" is open: many answers
+are right, so it is not checked by string; its label is the likelihood each model gives the
+reference answer (routing/likelihood.py), and `Item.open` says so.
 
 `make_items(n, seed)` draws a fixed, seeded set; the same seed gives the same items.
 """
@@ -51,10 +55,15 @@ class Item:
     prompt: str
     answer: str
 
+    @property
+    def open(self) -> bool:
+        """Scored by the likelihood of the reference answer, not by checking a completion."""
+        return self.family in OPEN_FAMILIES
+
     def correct(self, completion: str) -> bool:
         """Whether a completion answers it: its first line, stripped, equals the answer."""
         first = completion.strip().split("\n", 1)[0].strip().rstrip(".")
-        return first == self.answer
+        return first == self.answer.rstrip(".")
 
 
 def _num(rng: random.Random, digits: int) -> int:
@@ -123,6 +132,13 @@ def _after(rng, d):
             string.ascii_lowercase[i + d])
 
 
+def _define(rng, d):
+    word, meaning = rng.choice([(r["word"], r["definition"]) for r in rows("definitions")
+                                if int(r["tier"]) == d])
+    article = "an" if word[0] in "aeiou" else "a"
+    return f"What is {article} {word}?", f"{article.capitalize()} {word} is {meaning}."
+
+
 @functools.cache
 def rows(name: str) -> tuple[dict, ...]:
     """The rows of a table shipped as test data (routing/data/<name>.csv)."""
@@ -140,8 +156,9 @@ FAMILIES: dict[str, tuple[Callable, range]] = {
     "count": (_count, range(4, 11, 2)), "reverse": (_reverse, range(2, 5)),
     "last": (_last, range(2, 4)), "lookup": (_lookup, range(2, 13, 2)),
     "capital": (_capital, range(1, 6)), "opposite": (_opposite, range(1, 4)),
-    "after": (_after, range(1, 5)),
+    "after": (_after, range(1, 5)), "define": (_define, range(1, 4)),
 }
+OPEN_FAMILIES = ("define",)
 
 
 def make_item(family: str, difficulty: int, rng: random.Random) -> Item:

@@ -2,8 +2,9 @@
 
 1. the evaluation set (routing/tasks.py): few-shot questions with checkable answers;
 2. labels: each model answers every question greedily (its first line); right or wrong;
-   the weak model's pass also yields the routing features (routing/features.py), exactly as
-   the router computes them at serving time;
+   open questions ("define") are labelled by the likelihood each model gives the reference
+   answer instead (routing/likelihood.py); the weak model's pass also yields the routing
+   features (routing/features.py), exactly as the router computes them at serving time;
 3. splits: at random (70 / 30) and by task family (FAMILY_TEST held out entirely);
 4. a head per split (routing/head.py), trained on 80% of its train part and calibrated on
    the other 20%; the random split's head is the one the router loads.
@@ -27,6 +28,7 @@ from paged_jax.cost_model import GpuCostModel
 from paged_jax.llm import LLM
 from paged_jax.routing import features as feat
 from paged_jax.routing import head as head_lib
+from paged_jax.routing import likelihood as lk
 from paged_jax.routing.tasks import FAMILIES, Item, make_items
 from paged_jax.sampling_params import SamplingParams
 
@@ -105,10 +107,24 @@ def costs(weak: LLM, strong: LLM, w: dict, s: dict, items: list[Item]) -> dict:
     return dict(measured_cpu=measured, modeled_gpu=modeled, output_tokens=out)
 
 
+def open_labels(weak: LLM, strong: LLM, items: list[Item], y: np.ndarray) -> dict:
+    """Replaces the labels [N, 2] of open items by the reference's likelihood labels; returns
+    what they came from (each model's score per byte, the cut)."""
+    idx = np.flatnonzero([it.open for it in items])
+    if not len(idx):
+        return dict(items=0)
+    prompts, refs = [items[i].prompt for i in idx], [" " + items[i].answer for i in idx]
+    scores = np.stack([lk.reference_logprob(m, prompts, refs) for m in (weak, strong)], 1)
+    y[idx], cut = lk.labels(scores)
+    return dict(items=len(idx), index=idx.tolist(), cut=cut, scores=scores.tolist(),
+                knows=dict(zip(MODELS, y[idx].mean(0).tolist(), strict=True)))
+
+
 def build(weak: LLM, strong: LLM, items: list[Item]) -> dict:
     """Labels, features, costs, splits and one head per split."""
     w, s = answer(weak, items, probe=True), answer(strong, items, probe=False)
     y = np.stack([w["correct"], s["correct"]], 1).astype(np.float32)
+    opened = open_labels(weak, strong, items, y)
     heads = {}
     for name, (tr, te) in splits(items).items():
         head = fit(w["x"][tr], y[tr])
@@ -119,7 +135,7 @@ def build(weak: LLM, strong: LLM, items: list[Item]) -> dict:
             train_gains=sorted(head.gain(w["x"][tr]).round(5).tolist()))
         heads[name] = head
     return dict(x=w["x"], y=y, heads=heads, cost=costs(weak, strong, w, s, items),
-                texts=(w["texts"], s["texts"]),
+                texts=(w["texts"], s["texts"]), open=opened,
                 accuracy=dict(zip(MODELS, y.mean(0).tolist(), strict=True)))
 
 
@@ -135,6 +151,7 @@ def save(data: dict, items: list[Item], folder: Path = TRAINED) -> None:
     head_lib.save(data["heads"]["random"], folder / "head")
     metrics = dict(models=MODELS, items=len(items), accuracy=data["accuracy"], cost=data["cost"],
                    features=feat.NAMES, families=list(FAMILIES),
+                   open={k: v for k, v in data["open"].items() if k not in ("index", "scores")},
                    ece={k: h.metrics["ece"] for k, h in data["heads"].items()})
     (folder / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
 

@@ -1,9 +1,10 @@
-"""The OpenAI-compatible HTTP API over an `AsyncEngine` (FastAPI).
+"""The OpenAI-compatible HTTP API over `AsyncEngine`s (FastAPI): one model, or a RoutedLLM's
+two models plus "auto" (each request routed by the router's head; serve/routed.py).
 
     POST /v1/completions        text or token-id prompts; stream: true -> server-sent events
     POST /v1/chat/completions   the model's chat template; stream: true -> SSE chunks
-    GET  /v1/models             the one served model
-    GET  /health                200 while the engine thread runs, else 503
+    GET  /v1/models             the served models ("auto" too when routing)
+    GET  /health                200 while the engine threads run, else 503
     GET  /metrics               Prometheus text, vLLM's metric names (metrics.py)
 
 Errors carry OpenAI's body ({"error": {"message", "type", "param", "code"}}): 400 for a
@@ -26,15 +27,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from paged_jax.llm import LLM
 from paged_jax.outputs import RequestOutput
+from paged_jax.routing.router import RoutedLLM
 from paged_jax.serve import protocol as proto
 from paged_jax.serve import sse
 from paged_jax.serve.async_engine import AsyncEngine, QueueFull, RequestStream
 from paged_jax.serve.metrics import ServerMetrics
+from paged_jax.serve.routed import AUTO, submit_all
 
 
 @dataclasses.dataclass
 class Served:
-    """What the routes use: the engine thread, its metrics, the tokenizer, the model's name."""
+    """One served model: its LLM, its name, its engine thread and its metrics."""
 
     llm: LLM
     name: str
@@ -46,22 +49,38 @@ class Served:
         return self.llm.get_tokenizer()
 
 
-def build_app(llm: LLM, model_name: str, max_pending: int = 256) -> FastAPI:
-    """The app serving `llm` as `model_name`; its engine thread stops with the app."""
-    metrics = ServerMetrics(model_name)
-    engine = AsyncEngine(llm.llm_engine, max_pending, on_step=metrics.after_step,
-                         on_abort=lambda rid: metrics.aborted())
+def build_app(llm: LLM | RoutedLLM, model_name: str | None = None,
+              max_pending: int = 256) -> FastAPI:
+    """The app serving `llm` as `model_name`; or, given a RoutedLLM, its two models under
+    their names (`router.names`) and "auto" (each request routed by the router's head).
+    Engine threads stop with the app."""
+    router_ = llm if isinstance(llm, RoutedLLM) else None
+    if router_ and (len(set(router_.names)) < 2 or AUTO in router_.names):
+        raise ValueError(f'a routed server needs two model names other than "{AUTO}", got '
+                         f"{router_.names}")
+    pairs = (zip(router_.names, (router_.weak, router_.strong), strict=True) if router_
+             else [(model_name, llm)])
+    metrics = ServerMetrics(model_name or AUTO)
+    models = {name: _served(m, name, max_pending, metrics) for name, m in pairs}
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
-        engine.shutdown()
+        for srv in models.values():
+            srv.engine.shutdown()
 
     app = FastAPI(title="paged-jax", lifespan=lifespan)
-    app.state.served = Served(llm, model_name, engine, metrics)
+    app.state.models, app.state.router, app.state.metrics = models, router_, metrics
     app.add_exception_handler(proto.BadRequest, _bad_request)
     app.include_router(router)
     return app
+
+
+def _served(llm: LLM, name: str, max_pending: int, metrics: ServerMetrics) -> Served:
+    m = metrics.for_model(name)
+    engine = AsyncEngine(llm.llm_engine, max_pending, on_step=m.after_step,
+                         on_abort=lambda rid: m.aborted())
+    return Served(llm, name, engine, m)
 
 
 router = APIRouter()
@@ -73,76 +92,92 @@ async def _bad_request(_req, exc: proto.BadRequest) -> JSONResponse:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    alive = request.app.state.served.engine.error is None
+    alive = all(m.engine.error is None for m in request.app.state.models.values())
     return Response(status_code=200 if alive else 503)
 
 
 @router.get("/metrics")
 async def prometheus(request: Request) -> Response:
-    return Response(request.app.state.served.metrics.text(),
-                    media_type="text/plain; version=0.0.4")
+    return Response(request.app.state.metrics.text(), media_type="text/plain; version=0.0.4")
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
-    srv = request.app.state.served
+    served = request.app.state.models
+    names = [*served] + ([AUTO] if request.app.state.router else [])
+    longest = max(m.llm.engine_config.max_model_len for m in served.values())
     return {"object": "list", "data": [{
-        "id": srv.name, "object": "model", "created": int(time.time()),
-        "owned_by": "paged-jax", "max_model_len": srv.llm.engine_config.max_model_len}]}
+        "id": n, "object": "model", "created": int(time.time()), "owned_by": "paged-jax",
+        "max_model_len": served[n].llm.engine_config.max_model_len if n in served else longest}
+        for n in names]}
 
 
 @router.post("/v1/completions")
 async def completions(request: Request):
-    srv: Served = request.app.state.served
-    body = await _body(request, srv.name)
+    body, srv = await _body(request)
     prompts, params = proto.completion_request(body)
     rid = proto.new_id("cmpl")
-    streams = await _submit(srv.engine, prompts, params, rid)
+    streams = await _submit(request.app, srv, prompts, params, rid)
     if body.get("stream"):
-        chunks = sse.completion_chunks(rid, srv.name, streams, params.n, srv.tok,
-                                       _include_usage(body))
+        chunks = sse.completion_chunks(rid, streams, params.n, _include_usage(body))
         return StreamingResponse(sse.events(chunks, streams), media_type="text/event-stream")
     outs = await _collect(request, streams)
-    return proto.completion_body(rid, srv.name, outs, params.n, srv.tok)
+    return proto.completion_body(rid, outs, params.n, [s.served for s in streams])
 
 
 @router.post("/v1/chat/completions")
 async def chat(request: Request):
-    srv: Served = request.app.state.served
-    body = await _body(request, srv.name)
-    prompt, params = proto.chat_request(body, srv.tok)
+    body, srv = await _body(request)
+    tok = (srv or next(iter(request.app.state.models.values()))).tok  # auto: the weak one's
+    prompt, params = proto.chat_request(body, tok)
     rid = proto.new_id("chatcmpl")
-    streams = await _submit(srv.engine, [prompt], params, rid)
+    streams = await _submit(request.app, srv, [prompt], params, rid)
     if body.get("stream"):
-        chunks = sse.chat_chunks(rid, srv.name, streams[0], srv.tok, _include_usage(body))
+        chunks = sse.chat_chunks(rid, streams[0], _include_usage(body))
         return StreamingResponse(sse.events(chunks, streams), media_type="text/event-stream")
-    return proto.chat_body(rid, srv.name, (await _collect(request, streams))[0], srv.tok)
+    out = (await _collect(request, streams))[0]
+    return proto.chat_body(rid, out, streams[0].served)
 
 
-async def _body(request: Request, model_name: str) -> dict:
+async def _body(request: Request) -> tuple[dict, Served | None]:
+    """The JSON body and the model it asks for (None: "auto"; no model: the first served)."""
     try:
         body = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise proto.BadRequest(f"malformed JSON body: {e}") from None
     if not isinstance(body, dict):
         raise proto.BadRequest("the request body must be a JSON object")
-    if body.get("model") not in (None, model_name):
-        raise proto.BadRequest(f"The model `{body.get('model')}` does not exist; this server "
-                               f"serves `{model_name}`", "model", status=404)
-    return body
+    served, name = request.app.state.models, body.get("model")
+    if name == AUTO and request.app.state.router is not None:
+        return body, None
+    if name is None or name in served:
+        return body, served.get(name) or next(iter(served.values()))
+    names = ", ".join(f"`{n}`" for n in [*served] + ([AUTO] if request.app.state.router
+                                                      else []))
+    raise proto.BadRequest(f"The model `{name}` does not exist; this server serves {names}",
+                           "model", status=404)
 
 
 def _include_usage(body: dict) -> bool:
     return bool((body.get("stream_options") or {}).get("include_usage"))
 
 
-async def _submit(engine: AsyncEngine, prompts: list, params, rid: str) -> list[RequestStream]:
-    """Submits every prompt, then waits for each one's first output, so that a full queue
-    (503) or a request the engine refuses (400) is answered before any response starts."""
+async def _submit(app, srv: Served | None, prompts: list, params, rid: str) -> list:
+    """Submits every prompt (to `srv`, or routed when it is None), then waits for each one's
+    first output, so that a full queue (503) or a request the engine refuses (400) is
+    answered before any response starts."""
+    ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     streams = []
     try:
-        for i, p in enumerate(prompts):
-            streams.append(engine.submit(p, params, rid if len(prompts) == 1 else f"{rid}-{i}"))
+        if srv is None:
+            weak, strong = app.state.models.values()
+            counter = app.state.metrics.routed
+            return await submit_all(
+                app.state.router, weak, strong, prompts, params, ids,
+                on_route=lambda r: counter.labels(AUTO, r.model).inc())
+        for p, i in zip(prompts, ids, strict=True):
+            streams.append(srv.engine.submit(p, params, i))
+            streams[-1].served = srv
         for s in streams:
             await s.peek()
     except QueueFull as e:

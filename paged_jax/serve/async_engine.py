@@ -44,6 +44,7 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
         self._peeked: RequestOutput | None = None
+        self.served = None  # set by the server: the model serving this request
 
     async def peek(self) -> RequestOutput | None:
         """Waits for the first output (raising the engine's error if it refused the

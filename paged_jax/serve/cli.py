@@ -31,6 +31,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-pending", type=int, default=256,
                     help="requests queued or running at most; more get 503")
+    ap.add_argument("--strong-model", default=None,
+                    help='route: serve MODEL (weak) and this one, plus "auto" (each request '
+                         "routed by a trained head; same engine flags for both)")
+    ap.add_argument("--router-head", default=None,
+                    help="the head's folder (default: the shipped SmolLM2 / Gemma 3 head)")
+    ap.add_argument("--strong-share", type=float, default=0.5,
+                    help='share of "auto" traffic the head would send to the strong model')
     return ap
 
 
@@ -46,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     from paged_jax.llm import LLM
     from paged_jax.serve.api import build_app
 
-    llm = LLM(a.model, block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
+    kw = dict(block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
               kv_cache_memory=a.kv_cache_memory, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
               dtype=a.dtype, seed=a.seed, preemption_mode=a.preemption_mode,
@@ -54,7 +61,17 @@ def main(argv: list[str] | None = None) -> None:
               enable_prefix_caching=a.enable_prefix_caching, swap_space=a.swap_space,
               kv_cache_dtype=a.kv_cache_dtype)
     name = a.served_model_name or default_name(a.model)
-    app = build_app(llm, name, a.max_pending)
+    if a.strong_model is None:
+        app = build_app(LLM(a.model, **kw), name, a.max_pending)
+    else:
+        from paged_jax.routing.head import load
+        from paged_jax.routing.router import RoutedLLM
+
+        names = (name, default_name(a.strong_model))
+        router = RoutedLLM(LLM(a.model, **kw), LLM(a.strong_model, **kw), load(a.router_head),
+                           strong_share=a.strong_share, names=names)
+        app = build_app(router, max_pending=a.max_pending)
+        name = f"{names[0]}, {names[1]} and auto"
     print(f"serving {name} on http://{a.host}:{a.port}/v1", flush=True)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
 

@@ -2,10 +2,13 @@
 
 Gauges are read from the engine after every step (on the engine thread); request metrics are
 recorded when a request finishes (or is aborted). Each server has its own registry, so tests
-can run several in one process.
+can run several in one process. A server of several models (routing: two models and "auto")
+has one registry; `for_model` gives each model's view, labelled with its name.
 """
 
 from __future__ import annotations
+
+import copy
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -42,7 +45,16 @@ class ServerMetrics:
                               "Mean time per output token after the first", buckets=_TPOT, **lab)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency",
                              buckets=_LATENCY, **lab)
+        self.routed = Counter("paged_jax:routed_requests",
+                              'Requests of the "auto" model, by the model that served them',
+                              labelnames=["model_name", "routed_to"], registry=r)
         self.model = model_name
+
+    def for_model(self, model_name: str) -> ServerMetrics:
+        """The same registry, recording under another model's name."""
+        view = copy.copy(self)
+        view.model = model_name
+        return view
 
     def after_step(self, engine: Engine, outs: list[RequestOutput]) -> None:
         """Gauges from the engine's state; request metrics of the requests that finished."""

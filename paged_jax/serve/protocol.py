@@ -163,19 +163,26 @@ def chat_logprobs(c: CompletionOutput, start: int, tok) -> dict | None:
     return {"content": content}
 
 
-def completion_body(rid: str, model: str, outs: list[RequestOutput], n: int, tok) -> dict:
+def model_name(served: list) -> str:
+    """A response's model: the one that served every prompt, else "auto" (routed apart)."""
+    names = {s.name for s in served}
+    return names.pop() if len(names) == 1 else "auto"
+
+
+def completion_body(rid: str, outs: list[RequestOutput], n: int, served: list) -> dict:
+    """`served[i]` (with .name and .tok) is the model that served prompt i."""
     choices = [{"index": i * n + c.index, "text": c.text,
-                "logprobs": completion_logprobs(c, 0, tok, 0),
+                "logprobs": completion_logprobs(c, 0, s.tok, 0),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-               for i, o in enumerate(outs) for c in o.outputs]
+               for i, (o, s) in enumerate(zip(outs, served, strict=True)) for c in o.outputs]
     return {"id": rid, "object": "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage(outs)}
+            "model": model_name(served), "choices": choices, "usage": usage(outs)}
 
 
-def chat_body(rid: str, model: str, out: RequestOutput, tok) -> dict:
+def chat_body(rid: str, out: RequestOutput, served) -> dict:
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c, 0, tok), "finish_reason": c.finish_reason,
+                "logprobs": chat_logprobs(c, 0, served.tok), "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
                for c in out.outputs]
     return {"id": rid, "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage([out])}
+            "model": served.name, "choices": choices, "usage": usage([out])}

@@ -66,11 +66,13 @@ def _deltas(sent: dict, key, out: RequestOutput):
             yield c, c.text[text_at:], tok_at, text_at
 
 
-async def completion_chunks(rid: str, model: str, streams: list[RequestStream], n: int, tok,
+async def completion_chunks(rid: str, streams: list[RequestStream], n: int,
                             include_usage: bool) -> AsyncIterator[dict]:
+    """Chunks of every stream, each named after the model serving it (`stream.served`)."""
     sent, last = {}, {}
     async for i, out in _merged(streams):
         last[i] = out
+        model, tok = streams[i].served.name, streams[i].served.tok
         for c, delta, tok_at, text_at in _deltas(sent, i, out):
             yield {"id": rid, "object": "text_completion", "created": int(time.time()),
                    "model": model,
@@ -80,12 +82,14 @@ async def completion_chunks(rid: str, model: str, streams: list[RequestStream], 
                                 "stop_reason": c.stop_reason}]}
     if include_usage:
         yield {"id": rid, "object": "text_completion", "created": int(time.time()),
-               "model": model, "choices": [], "usage": proto.usage(list(last.values()))}
+               "model": proto.model_name([s.served for s in streams]), "choices": [],
+               "usage": proto.usage(list(last.values()))}
 
 
-async def chat_chunks(rid: str, model: str, stream: RequestStream, tok,
+async def chat_chunks(rid: str, stream: RequestStream,
                       include_usage: bool) -> AsyncIterator[dict]:
     sent, roled, last = {}, set(), None
+    model, tok = stream.served.name, stream.served.tok
 
     def chunk(choice: dict) -> dict:
         return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),

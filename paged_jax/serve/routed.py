@@ -1,0 +1,100 @@
+"""The server's "auto" model: each request is routed between the two served models by a
+RoutedLLM's head, as `RoutedLLM.generate` does offline.
+
+    submit to the weak model's engine (first-token logprobs asked for)
+      -> await its first output -> router.decide(...)
+         weak:   the same stream goes on; the probe's extra logprobs are stripped
+         strong: the weak request is aborted (its full prompt blocks stay in the weak
+                 prefix cache) and the request is submitted to the strong model's engine
+
+Both engines run on their own threads, so moved requests decode on the strong model while the
+weak one serves the rest. Responses name the model that served each request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from paged_jax.outputs import RequestOutput
+from paged_jax.routing.router import RoutedLLM, as_asked
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.serve.async_engine import RequestStream
+
+AUTO = "auto"
+
+
+class RoutedStream:
+    """A routed request, read like the RequestStream of the model serving it (`served`);
+    outputs carry that model's name and only the logprobs the client asked for."""
+
+    def __init__(self, inner: RequestStream, served, asked: SamplingParams | None):
+        self.inner, self.served, self._asked = inner, served, asked
+
+    @property
+    def finished(self) -> bool:
+        return self.inner.finished
+
+    async def peek(self) -> RequestOutput | None:
+        out = await self.inner.peek()
+        return None if out is None else self._fix(out)
+
+    def __aiter__(self) -> RoutedStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return self._fix(await self.inner.__anext__())
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def _fix(self, out: RequestOutput) -> RequestOutput:
+        out = dataclasses.replace(out, model=self.served.name)
+        return out if self._asked is None else as_asked(out, self._asked)
+
+
+async def submit_all(router: RoutedLLM, weak, strong, prompts: list, params: SamplingParams,
+                     ids: list[str], on_route=None) -> list[RoutedStream]:
+    """Routes every prompt (text only: the two models' tokenizers differ); returns once each
+    has its first output on the model that serves it. On any error (a full queue, a request
+    the engine refuses) every stream is closed and the first error raised."""
+    for p in prompts:
+        if not isinstance(p, str):
+            raise ValueError(f'the "{AUTO}" model routes text prompts only (token ids belong '
+                             "to one model's tokenizer)")
+    firsts = []
+    try:
+        for p, rid in zip(prompts, ids, strict=True):
+            s = weak.engine.submit(p, router.probe_params(params), rid)
+            s.served = weak
+            firsts.append(s)
+    except BaseException:
+        for s in firsts:
+            s.close()
+        raise
+    routed = await asyncio.gather(*(_route(router, s, weak, strong, p, params, on_route)
+                                     for s, p in zip(firsts, prompts, strict=True)),
+                                  return_exceptions=True)
+    errors = [r for r in routed if isinstance(r, BaseException)]
+    if errors:
+        for r, s in zip(routed, firsts, strict=True):
+            (s if isinstance(r, BaseException) else r).close()
+        raise errors[0]
+    return routed
+
+
+async def _route(router: RoutedLLM, stream: RequestStream, weak, strong, prompt: str,
+                 params: SamplingParams, on_route) -> RoutedStream:
+    first = await stream.peek()
+    if first is None or not first.outputs or not first.outputs[0].logprobs:
+        return RoutedStream(stream, weak, params)  # ended before a token (aborted)
+    route = router.decide(prompt, first)
+    if on_route is not None:
+        on_route(route)
+    if route.model != strong.name:
+        return RoutedStream(stream, weak, params)
+    stream.close()
+    moved = strong.engine.submit(prompt, params, stream.request_id)
+    moved.served = strong
+    await moved.peek()  # a refusal surfaces here, before the response starts
+    return RoutedStream(moved, strong, None)
