@@ -16,6 +16,7 @@ from experiments import (
     preemption,
     routing,
     sampling_sharing,
+    scaling,
     sliding_window_kv,
 )
 
@@ -30,6 +31,7 @@ FULL = [
     (peers, dict(prompts=64, tokens=128, extra_models=("gemma3",))),
     (sliding_window_kv, dict()),
     (routing, dict(argv=[])),
+    (scaling, dict(argv=[])),
 ]
 
 

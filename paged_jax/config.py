@@ -69,6 +69,10 @@ class EngineConfig:
       kv_cache_dtype: how K/V are stored (vLLM's name): "auto" (the model's dtype),
         "float32", "bfloat16", "int8", "fp8" (e4m3) or "fp8_e5m2"; int8 / fp8 keep a float32
         scale per token and KV head (paged_jax/kv_quant.py); not on the Pallas backend yet.
+      tensor_parallel_size: devices the model and its KV pool are split over (heads, MLP
+        width, vocabulary; paged_jax/parallel.py); 1 = one device.
+      first_device: the engine runs on devices first_device .. + tensor_parallel_size - 1
+        (data-parallel replicas take consecutive ranges).
     """
 
     block_size: int = 16
@@ -87,6 +91,8 @@ class EngineConfig:
     max_skips: int = 8
     swap_space: int = 4 << 30
     kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    first_device: int = 0
 
     def __post_init__(self) -> None:
         kv_quant.storage_dtype(self.kv_cache_dtype, "float32")  # a clear error if unknown
@@ -98,7 +104,7 @@ class EngineConfig:
         if self.max_model_len > self.max_num_batched_tokens * 1024:
             raise ValueError("max_model_len is implausibly large for the token budget")
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
-                     "max_model_len", "decode_window"):
+                     "max_model_len", "decode_window", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 

@@ -61,3 +61,67 @@ class GpuCostModel:
 
     def describe(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelRoofline:
+    """Roofline of one decoder split over N GPUs (Megatron-style, as paged_jax/parallel.py
+    splits it): weights and KV heads divided by N (KV heads replicated past H), two ring
+    all-reduces of the activations per layer plus one for the embedding and an all-gather of
+    the logits, *not* overlapped with compute (counted, not hidden).
+
+    Defaults: Llama-3-8B (32 layers, 4096 wide, 32 query / 8 KV heads of 128, MLP 14336,
+    vocabulary 128256) in bf16 on A100-80GB SXM (2.04 TB/s, 312 TFLOP/s, NVLink 300 GB/s per
+    direction, an assumed 15 us per collective), 90% of memory for weights + KV.
+    """
+
+    name: str = "Llama-3-8B bf16 on A100-80GB (roofline)"
+    layers: int = 32
+    hidden: int = 4096
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    mlp: int = 14336
+    vocab: int = 128256
+    bytes_per_value: int = 2
+    memory: float = 80e9 * 0.9
+    bandwidth: float = 2.04e12
+    peak_flops: float = 312e12
+    link: float = 300e9
+    collective_latency: float = 15e-6
+
+    @property
+    def parameters(self) -> float:
+        e, d = self.hidden, self.head_dim
+        layer = e * (self.heads + 2 * self.kv_heads) * d + self.heads * d * e + 3 * e * self.mlp
+        return self.layers * layer + 2 * self.vocab * e
+
+    def weight_bytes(self, n: int) -> float:
+        """Weights one device holds."""
+        return self.parameters * self.bytes_per_value / n
+
+    def kv_bytes_per_token(self, n: int) -> float:
+        """K and V of one token on one device (its KV heads, at least one)."""
+        heads = max(self.kv_heads, n) / n
+        return 2 * self.layers * heads * self.head_dim * self.bytes_per_value
+
+    def capacity_tokens(self, n: int) -> int:
+        """Tokens the KV pool holds (each device's share of memory after its weights)."""
+        return int((self.memory - self.weight_bytes(n)) // self.kv_bytes_per_token(n))
+
+    def comm_seconds(self, n: int, tokens: int) -> float:
+        """The step's collectives: ring all-reduces of [tokens, hidden] activations (two per
+        layer, one for the embedding) and the logits' all-gather."""
+        if n == 1:
+            return 0.0
+        act = tokens * self.hidden * self.bytes_per_value
+        ring = 2 * (n - 1) / n * act / self.link
+        gather = (n - 1) / n * tokens * self.vocab * 4 / self.link
+        count = 2 * self.layers + 1
+        return count * (ring + self.collective_latency) + gather + self.collective_latency
+
+    def decode_seconds(self, n: int, batch: int, context: int) -> float:
+        """One decode step of `batch` sequences of `context` tokens each."""
+        read = self.weight_bytes(n) + batch * context * self.kv_bytes_per_token(n)
+        compute = 2 * self.parameters / n * batch / self.peak_flops
+        return max(read / self.bandwidth, compute) + self.comm_seconds(n, batch)

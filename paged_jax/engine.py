@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax import batch as batch_lib
-from paged_jax import compile_cache, kv_quant
+from paged_jax import compile_cache, kv_quant, parallel
 from paged_jax import engine_input as inp
 from paged_jax import engine_output as io
 from paged_jax import sampling as smp
@@ -88,12 +88,27 @@ class Engine:
         self.config = ec = engine_config
         cc = ec.cache
         kv_dtype = kv_quant.storage_dtype(ec.kv_cache_dtype, jax.tree.leaves(params)[0].dtype)
-        self.kv = KVManager(cc, config.num_layers, config.num_kv_heads, config.head_dim,
+        self.mesh, kv_heads = None, config.num_kv_heads
+        if ec.tensor_parallel_size > 1:  # paged_jax/parallel.py
+            if jax.process_count() > 1 and ec.preemption_mode == "swap":
+                raise ValueError("preemption_mode='swap' reads blocks to one host; over "
+                                 "several processes use 'recompute'")
+            lay = parallel.layout(config, ec.tensor_parallel_size)
+            self.mesh = parallel.make_mesh(lay.n, ec.first_device)
+            self.params = parallel.shard_params(self.params, config, self.mesh)
+            kv_heads = lay.kv_heads_total
+            placement = (parallel.replicated(self.mesh), parallel.by_head(self.mesh))
+        else:
+            device = parallel.devices(1, ec.first_device)[0]
+            self.params = jax.device_put(self.params, device)  # no-op on device 0
+            placement = (device, device)
+        self.kv = KVManager(cc, config.num_layers, kv_heads, config.head_dim,
                             kv_dtype, prefix_caching=ec.enable_prefix_caching,
-                            swap=ec.preemption_mode == "swap", swap_space=ec.swap_space)
+                            swap=ec.preemption_mode == "swap", swap_space=ec.swap_space,
+                            placement=placement)
         self.sampling = jax.device_put(smp.init_sampling_state(cc.max_seqs, config.vocab_size),
-                                       jax.devices()[0])
-        self.step_cfg = StepConfig(config, ec.backend or default_backend())
+                                       placement[0])
+        self.step_cfg = StepConfig(config, ec.backend or default_backend(), self.mesh)
         self.scheduler = Scheduler(
             SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.block_size,
                             ec.admission, ec.max_skips, ec.decode_window),

@@ -85,17 +85,19 @@ class KVManager:
 
     def __init__(self, cc: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype, *, prefix_caching: bool = True, swap: bool = False,
-                 swap_space: int = 4 << 30):
+                 swap_space: int = 4 << 30, placement: tuple | None = None):
         self.config, self.swap, self.swap_space = cc, swap, swap_space
         self.swapped_bytes = 0
         self._block_bytes = kv_lib.kv_cache_bytes(num_layers, num_kv_heads, cc.block_size,
                                                   head_dim, dtype)
         # Committed to the device now: jit keys on placement, so uncommitted initial arrays
-        # would make the second step compile everything again.
-        self.pool, self.table, self.cache = jax.device_put(
-            (pool_lib.init_pool(cc.num_blocks), pt.init_page_table(cc),
-             kv_lib.init_kv_cache(num_layers, num_kv_heads, cc.num_blocks, cc.block_size,
-                                  head_dim, dtype)), jax.devices()[0])
+        # would make the second step compile everything again. `placement`: (bookkeeping,
+        # cache) shardings under tensor parallelism (replicated, split by KV head).
+        books, pages = placement or (jax.devices()[0],) * 2
+        self.pool, self.table = jax.device_put(
+            (pool_lib.init_pool(cc.num_blocks), pt.init_page_table(cc)), books)
+        self.cache = jax.device_put(kv_lib.init_kv_cache(
+            num_layers, num_kv_heads, cc.num_blocks, cc.block_size, head_dim, dtype), pages)
         self.num_free = cc.usable_blocks
         self.free_slots: list[int] = list(range(cc.max_seqs - 1, -1, -1))
         self.slot_live = np.zeros(cc.max_seqs, bool)

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -16,9 +17,10 @@ import jax.numpy as jnp
 from tqdm.auto import tqdm
 from tqdm.std import tqdm as std_tqdm
 
-from paged_jax import kv_quant
+from paged_jax import kv_quant, parallel
 from paged_jax.beam_search import beam_search
 from paged_jax.engine import Engine, EngineConfig
+from paged_jax.engine_input import prompt_ids
 from paged_jax.kv_cache import kv_cache_bytes
 from paged_jax.models import Tokenizer, load_model
 from paged_jax.models.tokenizer import tokenizer_from_folder
@@ -118,6 +120,12 @@ class LLM:
       kv_cache_dtype: "auto" (= dtype), "float32", "bfloat16", "int8", "fp8" (e4m3) or
         "fp8_e5m2": int8 / fp8 hold 3.56x the blocks of float32 in the same memory (a
         float32 scale per 32 values included); every attention backend reads them.
+      tensor_parallel_size: devices to split the model and its KV pool over (a 1-D mesh;
+        paged_jax/parallel.py); kv_cache_memory is then each device's share, so the pool
+        holds N times the blocks (KV heads replicated when N exceeds them: fewer).
+      data_parallel_size: replicas of the engine, each with its own pool (and its own
+        tensor_parallel_size devices); `generate` sends each request to the replica with
+        the fewest outstanding tokens (routing.balance.Balancer) and steps them all.
       model_parts: (config, params, tokenizer) to use instead of loading `model`.
     """
 
@@ -129,7 +137,8 @@ class LLM:
         attention_backend: str | None = None, max_logprobs: int = 20, model_parts=None,
         enable_prefix_caching: bool = True, tokenizer: str | None = None,
         swap_space: float = 4, gpu_memory_utilization: float | None = None,
-        kv_cache_dtype: str = "auto", **unsupported,
+        kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1, **unsupported,
     ):
         if unsupported:
             raise TypeError(f"LLM() got unsupported arguments: {sorted(unsupported)}")
@@ -146,8 +155,9 @@ class LLM:
         if max_model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={config.max_position_embeddings}")
-        if num_kv_blocks is None:
-            per_block = kv_cache_bytes(config.num_layers, config.num_kv_heads, block_size,
+        if num_kv_blocks is None:  # kv_cache_memory is per device: what one device holds
+            heads = parallel.layout(config, tensor_parallel_size).num_kv_heads
+            per_block = kv_cache_bytes(config.num_layers, heads, block_size,
                                        config.head_dim, kv_dtype)
             num_kv_blocks = max(2, kv_cache_memory // per_block)
         self.engine_config = EngineConfig(
@@ -156,8 +166,18 @@ class LLM:
             preemption_mode=preemption_mode, decode_window=decode_window,
             backend=attention_backend, max_logprobs=max_logprobs, seed=seed,
             enable_prefix_caching=enable_prefix_caching, swap_space=int(swap_space * (1 << 30)),
-            kv_cache_dtype=kv_cache_dtype)
-        self.llm_engine = Engine(config, params, tok, self.engine_config)
+            kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size)
+        if data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+        self.replicas = [Engine(config, params, tok, dataclasses.replace(
+            self.engine_config, first_device=i * tensor_parallel_size))
+            for i in range(data_parallel_size)]
+        self.llm_engine = self.replicas[0]
+        self.balancer = None
+        if data_parallel_size > 1:
+            from paged_jax.routing.balance import Balancer  # routing sits above LLM
+
+            self.balancer = Balancer(self.replicas, "least_tokens")
         self._counter = 0
 
     def get_tokenizer(self):
@@ -180,12 +200,22 @@ class LLM:
             for p, sp in zip(prompts, sampling_params, strict=True):
                 ids.append(str(self._counter))
                 self._counter += 1
-                self.llm_engine.add_request(ids[-1], p, sp)
+                self._replica(ids[-1], p, sp).add_request(ids[-1], p, sp)
         except Exception:
             for i in ids:
-                self.llm_engine.abort(i)
+                for e in self.replicas:
+                    e.abort(i)
+                if self.balancer is not None and self.balancer.holds(i):
+                    self.balancer.done(i)
             raise
         return self._run(ids, use_tqdm)
+
+    def _replica(self, rid: str, prompt, sp: SamplingParams) -> Engine:
+        """The engine a request goes to (the least loaded replica under data parallelism)."""
+        if self.balancer is None:
+            return self.llm_engine
+        ids = prompt_ids(prompt, self.llm_engine.tokenizer)[1]
+        return self.replicas[self.balancer.pick(rid, ids, (sp.max_tokens or 0) * sp.n)]
 
     def chat(
         self, messages: list[dict] | list[list[dict]],
@@ -226,14 +256,18 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=_bar_off(use_tqdm),
                    unit="req", dynamic_ncols=True)
         t0, n_out = time.perf_counter(), 0
+        wanted = set(ids)
         while len(done) < len(ids):
-            for out in self.llm_engine.step():
-                if out.finished and out.request_id in ids:
+            busy = [e for e in self.replicas if e.has_unfinished()]
+            if not busy:
+                raise RuntimeError("engine idle with unfinished requests")  # a bug, not input
+            for out in (o for e in busy for o in e.step()):
+                if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
+                    if self.balancer is not None:
+                        self.balancer.done(out.request_id)
                     n_out += sum(len(c.token_ids) for c in out.outputs)
                     bar.update(1)
                     bar.set_postfix_str(f"output {n_out / (time.perf_counter() - t0):.1f} tok/s")
-            if not self.llm_engine.has_unfinished() and len(done) < len(ids):
-                raise RuntimeError("engine idle with unfinished requests")  # a bug, not input
         bar.close()
         return [done[i] for i in ids]

@@ -27,8 +27,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from paged_jax import page_table as pt
+from paged_jax import parallel
 from paged_jax import sampling as smp
 from paged_jax.kv_cache import KVCache, copy_blocks
 from paged_jax.models import ModelConfig, Params, forward
@@ -135,6 +137,7 @@ class StepConfig:
 
     model: ModelConfig
     backend: str = "reference"
+    mesh: Mesh | None = None  # tensor parallelism: the "model" mesh (paged_jax/parallel.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,18 +213,17 @@ def _forward_rows(
     longest sequence in the step), so short contexts do not pay for max_model_len.
     """
     table = state.table
-    rows_valid = batch.row_slots >= 0
     slots = jnp.clip(batch.row_slots, 0)
     seq_ids = jnp.where(batch.token_rows >= 0, batch.row_slots[batch.token_rows], -1)
     cache_pos = pt.cache_positions(table, seq_ids, batch.positions)
-    seq_lens = jnp.where(rows_valid, table.seq_lens[slots], 0)
+    seq_lens = jnp.where(batch.row_slots >= 0, table.seq_lens[slots], 0)
     every = shape.prompt_top is not None
-    logits, cache = forward(
-        params, state.cache, batch.token_ids, batch.positions, cache_pos,
-        table.block_tables[slots][:, :shape.max_pages], seq_lens, batch.query_start,
-        config=cfg.model, max_q=shape.max_q, backend=cfg.backend, max_q_rows=shape.max_q_rows,
-        decode_pages=shape.decode_pages, all_logits=every,
-    )
+    args = (batch.token_ids, batch.positions, cache_pos,
+            table.block_tables[slots][:, :shape.max_pages], seq_lens, batch.query_start)
+    kw = dict(max_q=shape.max_q, backend=cfg.backend, max_q_rows=shape.max_q_rows,
+              decode_pages=shape.decode_pages, all_logits=every)
+    logits, cache = parallel.sharded_forward(  # plain `forward` without a mesh
+        cfg.mesh, forward, cfg.model, params, state.cache, *args, **kw)
     if not every:
         return logits, cache, smp.PromptLogprobs.empty()
     prompt = smp.prompt_logprobs(logits, batch.next_ids, shape.prompt_top)

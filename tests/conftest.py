@@ -11,6 +11,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # meet (the decoder is unrolled): LLVM's -O0 compiles them about 40% faster. Benchmarks and
 # users keep the default; set XLA_FLAGS to override.
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+# Four fake CPU devices for the tensor-parallel tests (test_tensor_parallel.py); programs
+# that use no mesh still run on device 0 alone.
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"
 
 from jaxtyping import install_import_hook  # noqa: E402
 

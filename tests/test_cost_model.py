@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from paged_jax.cost_model import GpuCostModel
+from paged_jax.cost_model import GpuCostModel, TensorParallelRoofline
 
 
 def test_decode_step_is_memory_bound_and_nearly_flat_in_batch():
@@ -29,3 +29,19 @@ def test_long_prefill_is_compute_bound():
     tokens = 4096
     assert math.isclose(m.step_seconds(1, tokens, tokens, 10_000),
                         tokens * 2 * 13e9 / 312e12)
+
+
+def test_tensor_parallel_roofline_splits_weights_and_counts_communication():
+    m = TensorParallelRoofline()
+    assert 8.0e9 < m.parameters < 8.1e9  # Llama-3-8B
+    assert m.weight_bytes(4) == m.weight_bytes(1) / 4
+    assert m.kv_bytes_per_token(8) == m.kv_bytes_per_token(1) / 8  # 8 KV heads: one each
+    assert m.kv_bytes_per_token(16) == m.kv_bytes_per_token(8)  # replicated past H
+    caps = [m.capacity_tokens(n) for n in (1, 2, 4, 8)]
+    assert all(b > 2 * a for a, b in zip(caps, caps[1:], strict=False))  # weights freed too
+    assert m.comm_seconds(1, 1) == 0 and m.comm_seconds(8, 64) > m.comm_seconds(2, 64) > 0
+    # batch 1 is bandwidth-bound: splitting the reads helps, communication takes some back
+    one, two = m.decode_seconds(1, 1, 1024), m.decode_seconds(2, 1, 1024)
+    assert one / 2 < two < one
+    assert math.isclose(two - m.comm_seconds(2, 1),
+                        (m.weight_bytes(2) + 1024 * m.kv_bytes_per_token(2)) / m.bandwidth)

@@ -39,6 +39,7 @@ import numpy as np
 from kernels.pages import Pages
 from paged_jax import kv_cache as kv_lib
 from paged_jax import kv_quant
+from paged_jax import parallel as tp_lib
 from paged_jax.attention import paged_attention
 from paged_jax.kv_cache import KVCache
 from paged_jax.models.config import ModelConfig
@@ -146,8 +147,11 @@ def attention_block(
 
     `kv` is this layer's (K, V) pages (KVCache.layer); `rot` the (cos, sin) of
     `rope_tables`; `attn` the static keyword arguments of `paged_attention` (max_q, backend,
-    max_q_rows, decode_pages, window, scale).
+    max_q_rows, decode_pages, window, scale), and "tp": under tensor parallelism (inside
+    shard_map, paged_jax/parallel.py) the heads here are this device's, and the output
+    projection's partial sums are added over the mesh.
     """
+    tp = attn.pop("tp", False)
     positions, cache_pos, block_tables, seq_lens, query_start = batch
     t, d = x.shape[0], config.head_dim
     nq, nk = config.num_heads * d, config.num_kv_heads * d
@@ -169,15 +173,20 @@ def attention_block(
     if spin is not None:
         o = o @ spin.T.astype(o.dtype)
     o = o.reshape(t, -1).astype(x.dtype) @ p["wo"]
+    if tp:
+        o = jax.lax.psum(o, tp_lib.AXIS)
     return (o + p["bo"] if "bo" in p else o), kv
 
 
-def mlp_block(p: Params, x: Float[Array, "T E"], act: str = "silu") -> Float[Array, "T E"]:
+def mlp_block(p: Params, x: Float[Array, "T E"], act: str = "silu",
+              tp: bool = False) -> Float[Array, "T E"]:
     """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (tanh-approximated gelu,
-    Gemma's gelu_pytorch_tanh)."""
+    Gemma's gelu_pytorch_tanh). `tp`: this device's slice of F; partial sums added over the
+    mesh."""
     gate, up = jnp.split(x @ p["w_gate_up"], 2, axis=-1)
     gate = jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, approximate=True)
-    return (gate * up) @ p["w_down"]
+    out = (gate * up) @ p["w_down"]
+    return jax.lax.psum(out, tp_lib.AXIS) if tp else out
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attn"))
@@ -195,7 +204,8 @@ def decoder_layer(
     if config.sandwich_norm:
         a = rms_norm(a, p["post_attn_norm"], eps)
     x = x + a
-    m = mlp_block(p, rms_norm(x, p["mlp_norm"], eps), config.hidden_act)
+    m = mlp_block(p, rms_norm(x, p["mlp_norm"], eps), config.hidden_act,
+                  dict(attn).get("tp", False))
     if config.sandwich_norm:
         m = rms_norm(m, p["post_mlp_norm"], eps)
     return x + m, kv
@@ -217,6 +227,7 @@ def forward(
     all_logits: bool = False,
     max_q_rows: int | None = None,
     decode_pages: int | None = None,
+    tp: bool = False,
 ) -> tuple[Float[Array, "S V"] | Float[Array, "T V"], KVCache]:
     """One decoder pass over a ragged batch (semantics of `paged_jax.attention`).
 
@@ -231,11 +242,13 @@ def forward(
       backend: paged-attention backend, "reference" or "pallas".
       all_logits: return logits for every token instead of each sequence's last one.
       max_q_rows, decode_pages: static hints of `paged_jax.attention.paged_attention`.
+      tp: one device's share under tensor parallelism (inside `parallel.shard_forward`;
+        `config` is then `parallel.local_config`): params and cache are this device's.
 
     Returns:
       (logits fp32 [S, V] at token query_start[s+1] - 1, or [T, V] if all_logits; cache').
     """
-    x = params["embed"][token_ids]
+    x = tp_lib.embed_lookup(params["embed"], token_ids) if tp else params["embed"][token_ids]
     if config.embed_scale != 1.0:
         x = x * jnp.asarray(config.embed_scale, x.dtype)
     rot = rope_tables(positions, jnp.asarray(inv_frequencies(config)))
@@ -243,7 +256,7 @@ def forward(
         positions, jnp.asarray(inv_frequencies(config, local=True)))
     batch = (positions, cache_positions, block_tables, seq_lens, query_start)
     attn = (("max_q", max_q), ("backend", backend), ("max_q_rows", max_q_rows),
-            ("decode_pages", decode_pages), ("scale", config.query_scale))
+            ("decode_pages", decode_pages), ("scale", config.query_scale), ("tp", tp))
     layers = []
     for i, p in enumerate(runtime_layers(params)):
         window = config.window(i)
@@ -253,12 +266,21 @@ def forward(
     cache = KVCache.of_layers(layers)
     if not all_logits:
         x = x[jnp.clip(query_start[1:] - 1, 0)]
+    return _logits(params, x, config, tp), cache
+
+
+def _logits(params: Params, x: Float[Array, "T E"], config: ModelConfig,
+            tp: bool) -> Float[Array, "T V"]:
+    """Final norm and LM head (tied embeddings when there is no lm_head); fp32. `tp`: this
+    device's vocabulary slice, gathered over the mesh."""
     x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
     if "lm_head" in params:
         logits = x @ params["lm_head"]
     else:
         logits = jnp.einsum("te,ve->tv", x, params["embed"])
-    return logits.astype(jnp.float32), cache
+    if tp:
+        logits = tp_lib.gather_logits(logits, config.vocab_size)
+    return logits.astype(jnp.float32)
 
 
 @functools.lru_cache(maxsize=64)

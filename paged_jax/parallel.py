@@ -1,0 +1,198 @@
+"""Tensor parallelism (Megatron-style) over a 1-D "model" mesh of N devices.
+
+    params    q|k|v and gate|up columns split by head / by F, wo and w_down rows split,
+              embed and lm_head split by vocabulary; norms replicated
+    KV pool   every layer's [H, N, K, D] pages split on H: each device holds its KV heads
+    forward   runs per device under `shard_map` (attention kernels included, on the local
+              heads); one psum after attention's wo and one after the MLP's w_down per layer,
+              one psum for the embedding lookup and one all-gather of the logits
+    the rest  page tables, the block pool's bookkeeping and sampling: replicated, the same
+              pure functions on every device (the allocator does not know about the mesh)
+
+Heads are split evenly: N must divide the query heads and the MLP width, and either divide
+the KV heads or be a multiple of them. When N exceeds the KV heads, each KV head is
+replicated on N / H devices (each device holds one), so a device holds 1 / H of the
+unreplicated pool instead of 1 / N. Device i holds query heads [i Q/N, (i+1) Q/N) and KV
+head i H/N (GQA groups stay whole on a device).
+
+Params are re-laid out on the host once (`shard_params`): the fused q|k|v and gate|up columns
+are reordered so that device i's slice of the last axis is its own q|k|v (gate|up) in the
+layout the unsharded forward expects, and the vocabulary is zero-padded to a multiple of N.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+if TYPE_CHECKING:  # models import this module (the forward's collectives)
+    from paged_jax.models.config import ModelConfig
+
+AXIS = "model"
+
+# Runtime layer weights split by the mesh, and the axis they are split on; the rest of a
+# layer (norms, bo) is replicated.
+_LAYER_AXIS = {"w_qkv": 1, "b_qkv": 0, "wo": 0, "w_gate_up": 1, "w_down": 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a model splits over n devices."""
+
+    n: int
+    num_heads: int  # query heads per device
+    num_kv_heads: int  # KV heads per device
+    kv_heads_total: int  # KV heads in the pool (H, or n when they are replicated)
+    kv_replicas: int  # devices holding each KV head (n / H when n > H, else 1)
+    vocab: int  # padded vocabulary, a multiple of n
+
+
+def layout(config: ModelConfig, n: int) -> Layout:
+    """The split of `config` over n devices; a ValueError says why it cannot be split."""
+    q, h, f = config.num_heads, config.num_kv_heads, config.intermediate_size
+    if n < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {n}")
+    if q % n or f % n:
+        raise ValueError(f"tensor_parallel_size={n} must divide the query heads ({q}) and "
+                         f"the MLP width ({f})")
+    if h % n and n % h:
+        raise ValueError(f"tensor_parallel_size={n} must divide the KV heads ({h}) or be a "
+                         "multiple of them")
+    total = max(h, n)
+    return Layout(n, q // n, total // n, total, max(1, n // h), -(-config.vocab_size // n) * n)
+
+
+def local_config(config: ModelConfig, lay: Layout) -> ModelConfig:
+    """The config one device's forward sees (its heads and MLP width)."""
+    return dataclasses.replace(config, num_heads=lay.num_heads, num_kv_heads=lay.num_kv_heads,
+                               intermediate_size=config.intermediate_size // lay.n)
+
+
+def devices(n: int, first: int = 0) -> list:
+    """Devices first .. first + n - 1 (a clear error when there are fewer)."""
+    devs = jax.devices()
+    if first + n > len(devs):
+        raise ValueError(f"{first + n} devices are needed (tensor_parallel_size x "
+                         f"data_parallel_size); {len(devs)} {devs[0].platform} device(s) are "
+                         "visible (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_"
+                         f"count={first + n} before jax starts)")
+    return devs[first:first + n]
+
+
+def make_mesh(n: int, first: int = 0) -> Mesh:
+    """A 1-D "model" mesh over devices first .. first + n - 1."""
+    return Mesh(np.array(devices(n, first)), (AXIS,))
+
+
+def _kv_heads(w: np.ndarray, h: int, d: int, lay: Layout) -> np.ndarray:
+    """[..., H*D] KV columns -> [..., kv_heads_total*D], heads repeated when replicated."""
+    heads = w.reshape(*w.shape[:-1], h, d)
+    idx = np.arange(lay.kv_heads_total) * h // lay.kv_heads_total
+    return heads[..., idx, :].reshape(*w.shape[:-1], lay.kv_heads_total * d)
+
+
+def _interleave(parts: list[np.ndarray], n: int) -> np.ndarray:
+    """Concatenates, for each device i, the i-th n-th of every part (along the last axis)."""
+    return np.concatenate([c for i in range(n) for c in (np.split(p, n, -1)[i] for p in parts)],
+                          -1)
+
+
+def _layer(p: dict, config: ModelConfig, lay: Layout) -> dict:
+    q, h, d = config.num_heads * config.head_dim, config.num_kv_heads, config.head_dim
+    out = dict(p)
+    for name in ("w_qkv", "b_qkv"):
+        if name in p:
+            w = p[name]
+            k, v = w[..., q:q + h * d], w[..., q + h * d:]
+            out[name] = _interleave([w[..., :q], _kv_heads(k, h, d, lay),
+                                     _kv_heads(v, h, d, lay)], lay.n)
+    gate, up = np.split(p["w_gate_up"], 2, -1)
+    out["w_gate_up"] = _interleave([gate, up], lay.n)
+    return out
+
+
+def _pad_vocab(w: np.ndarray, axis: int, vocab: int) -> np.ndarray:
+    pad = [(0, 0)] * w.ndim
+    pad[axis] = (0, vocab - w.shape[axis])
+    return np.pad(w, pad)
+
+
+def specs(params: dict) -> dict:
+    """PartitionSpecs of runtime-form params (as `shard_params` lays them out)."""
+    def layer(p):
+        return {k: P(*[AXIS if i == _LAYER_AXIS[k] else None for i in range(v.ndim)])
+                if k in _LAYER_AXIS else P() for k, v in p.items()}
+    out = {k: P() for k in params if k != "layers"}
+    out["embed"] = P(AXIS, None)
+    if "lm_head" in params:
+        out["lm_head"] = P(None, AXIS)
+    out["layers"] = [layer(p) for p in params["layers"]]
+    return out
+
+
+def shard_params(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
+    """Runtime-form params laid out for the mesh (module docstring) and placed on it."""
+    lay = layout(config, mesh.size)
+    host = jax.device_get(params)
+    out = {**host, "layers": [_layer(p, config, lay) for p in host["layers"]]}
+    out["embed"] = _pad_vocab(host["embed"], 0, lay.vocab)
+    if "lm_head" in host:
+        out["lm_head"] = _pad_vocab(host["lm_head"], 1, lay.vocab)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(out),
+                             is_leaf=lambda x: isinstance(x, P))
+    return jax.device_put(out, shardings)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def by_head(mesh: Mesh) -> NamedSharding:
+    """The KV pool's sharding: every [H, N, K, D] (and scale) array split on H."""
+    return NamedSharding(mesh, P(AXIS))
+
+
+# ---- inside the shard_map'd forward ----------------------------------------------------------
+def embed_lookup(embed: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """Rows of a vocabulary-split embedding: each device looks up the ids in its own range
+    (zeros elsewhere), one psum joins them."""
+    rows = embed.shape[0]
+    local = token_ids - jax.lax.axis_index(AXIS) * rows
+    mine = (local >= 0) & (local < rows)
+    x = jnp.where(mine[:, None], embed[jnp.clip(local, 0, rows - 1)], 0)
+    return jax.lax.psum(x, AXIS)
+
+
+def gather_logits(logits: jax.Array, vocab: int) -> jax.Array:
+    """Each device's vocabulary slice of the logits -> the full [T, V] on every device."""
+    full = jax.lax.all_gather(logits, AXIS, axis=1, tiled=True)
+    return full[:, :vocab]
+
+
+def sharded_forward(mesh: Mesh | None, forward, config: ModelConfig, params: dict, cache,
+                    *args, **kw):
+    """`forward(params, cache, *args, config=, **kw)` (models.llama.forward) per device, with
+    this device's config and tp=True; without a mesh, simply `forward`."""
+    if mesh is None:
+        return forward(params, cache, *args, config=config, **kw)
+    local = local_config(config, layout(config, mesh.size))
+    fn = functools.partial(forward, config=local, tp=True, **kw)
+    return shard_forward(fn, mesh, params, cache, *args)
+
+
+def shard_forward(fn, mesh: Mesh, params: dict, cache, *args):
+    """`fn(params, cache, *args) -> (logits, cache)` run per device under shard_map: params
+    as `specs`, the cache split on its head axis, everything else (and the logits, which
+    `fn` gathers) replicated."""
+    on_heads = P(AXIS)  # a prefix: every page and scale array of the cache
+    per_device = jax.shard_map(fn, mesh=mesh, in_specs=(specs(params), on_heads,
+                                                        *(P(),) * len(args)),
+                               out_specs=(P(), on_heads), check_vma=False)
+    return per_device(params, cache, *args)
