@@ -17,6 +17,7 @@ Writes results/scaling.json (+ .png).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import subprocess
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None, name: str = "scaling") -> dict:
     one, three = rows
     same = sum(a == b for a, b in zip(one["tokens"], three["tokens"], strict=True))
     model = TensorParallelRoofline()
-    res = dict(model=model.__dict__ | dict(name=model.name), kv_memory_per_device=kv_memory,
+    res = dict(model=dataclasses.asdict(model), kv_memory_per_device=kv_memory,
                measured=[{k: v for k, v in r.items() if k != "tokens"} for r in rows],
                identical_tokens=f"{same}/{len(one['tokens'])}",
                tp3_time_vs_tp1=three["decode_seconds"] / one["decode_seconds"],

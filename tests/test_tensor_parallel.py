@@ -109,7 +109,7 @@ def test_data_parallel_replicas_share_the_work(one_device):
     from paged_jax import LLM
 
     llm = LLM(model_parts=model(), data_parallel_size=2, tensor_parallel_size=2,
-              **{k: v for k, v in BASE.items()})
+              **BASE)
     reqs = workload()
     outs = llm.generate([p for _, p, _ in reqs], [sp for _, _, sp in reqs], use_tqdm=False)
     for (rid, _, _), out in zip(reqs, outs, strict=True):
