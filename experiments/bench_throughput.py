@@ -44,6 +44,7 @@ from experiments import common, hf
 from experiments.peers import prompt_ids
 from paged_jax import LLM, SamplingParams
 from paged_jax import step as step_lib
+from paged_jax import window as window_lib
 from paged_jax.metrics import kv_bytes_per_token, measure_bandwidth, weight_bytes
 from paged_jax.models import load_model
 from paged_jax.models.llama import prepare_params
@@ -59,7 +60,7 @@ print(time.perf_counter() - t0)
 
 
 def compiled() -> int:
-    return step_lib.run_step._cache_size() + step_lib.decode_window._cache_size()
+    return step_lib.run_step._cache_size() + window_lib.decode_window._cache_size()
 
 
 def chain_seconds(params, batch: int, repeats: int = 10, compute=None) -> float:

@@ -9,7 +9,8 @@ Open questions ("define") are labelled by each model's likelihood of a reference
    of quality vs strong share for the trained router, random routing, the oracle, and the
    always-weak / always-strong points; the share of the weak-to-strong gap recovered at a 50%
    strong share; the cost saved at 95% of the strong model's quality (costs per request
-   measured from the two engines in this run);
+   measured from the two engines in this run); and (not with --quick) every family held out
+   once in turn, the head's inputs chosen and the head trained on the others only;
 2. the router end to end (RoutedLLM at a 50% share on fresh questions): every request served
    once, each output equal to what its model gives alone, and the router's own overhead per
    request against a weak-model request's latency.
@@ -53,8 +54,29 @@ def split_results(data: dict, items) -> dict:
             cost_saved_at_95={clock: cv.cost_saved_at(y, scores, c[tr.MODELS[0]],
                                                       c[tr.MODELS[1]], c["probe"])
                               for clock, c in cost.items() if clock != "output_tokens"},
-            ece=head.metrics["ece"])
+            ece=head.metrics["ece"], inputs=head.metrics["inputs"],
+            candidates=head.metrics["candidates"])
     return out
+
+
+def family_sweep(data: dict, items) -> dict:
+    """Each family held out once (nested: inputs chosen, head trained on the other families
+    only): the router's mean quality over random on it, and at a 50% strong share."""
+    x, y = data["x"], data["y"]
+    fam = np.array([it.family for it in items])
+    rows = []
+    for f in dict.fromkeys(fam):
+        held = fam == f
+        cand, _ = tr.choose(x[~held], y[~held], fam[~held])
+        c = cv.curves(y[held], tr.fit(x[~held], y[~held], cand).gain(x[held]))
+        r, q = (np.array([p["quality"] for p in c[k][1:-1]]) for k in ("router", "random"))
+        rows.append(dict(family=str(f), inputs=tr.candidate_name(cand),
+                         weak=float(y[held, 0].mean()), strong=float(y[held, 1].mean()),
+                         router_50=float(r[4]), random_50=float(q[4]),
+                         over_random=float((r - q).mean()),
+                         beats_random_everywhere=bool((r >= q - 1e-9).all())))
+    return dict(families=rows, mean_over_random=float(np.mean([r["over_random"] for r in rows])),
+                above_random=sum(r["over_random"] > 0 for r in rows))
 
 
 def end_to_end(weak: LLM, strong: LLM, head, n: int) -> dict:
@@ -83,7 +105,8 @@ def overhead(weak: LLM, router: RoutedLLM, prompts: list[str], sp) -> dict:
     keep = RoutedLLM(weak, router.strong, router.head, threshold=np.inf, names=tr.MODELS)
     alone, routed = [], []
     for p in prompts:
-        weak.generate(p, sp, use_tqdm=False)  # warm: same programs, prefix cache primed
+        weak.generate(p, sp, use_tqdm=False)  # warm both paths' programs (the router's probe
+        keep.generate(p, sp)  # asks for logprobs and the hidden state); prefix cache primed
         t0 = time.perf_counter()
         weak.generate(p, sp, use_tqdm=False)
         alone.append(time.perf_counter() - t0)
@@ -142,10 +165,12 @@ def main(argv: list[str] | None = None, name: str = "routing") -> dict:
                     for m in tr.MODELS)
     data = tr.build(weak, strong, items)
     res = dict(models=dict(weak=tr.MODELS[0], strong=tr.MODELS[1]), items=len(items),
-               accuracy=data["accuracy"], cost=data["cost"], features=feat.NAMES,
+               accuracy=data["accuracy"], cost=data["cost"],
+               features=[*feat.NAMES, "hidden state"],
                open={k: v for k, v in data["open"].items() if k not in ("index", "scores")})
     res["splits"] = split_results(data, items)
     res.update({p: res["splits"]["random"]["curves"][p] for p in POLICIES})
+    res["family_sweep"] = None if quick else family_sweep(data, items)
     saved = res["splits"]["random"]["cost_saved_at_95"]
     res["cost_saved_at_95"] = saved["measured_cpu"]["cost_saved"]  # this machine's clock
     res["cost_saved_at_95_modeled_gpu"] = saved["modeled_gpu"]["cost_saved"]
@@ -167,10 +192,18 @@ def show(res: dict) -> None:
                      oracle=o["quality"]) for p, q, o in zip(
                          r["curves"]["router"], r["curves"]["random"], r["curves"]["oracle"],
                          strict=True)]
-        print(f"\n{split} split ({r['test']} held out): gap recovered at 50% "
+        print(f"\n{split} split ({r['test']} held out), inputs {r['inputs']} chosen by "
+              f"leave-one-family-out on its train part: {r['candidates']}")
+        print(f"gap recovered at 50% "
               f"{r['gap_recovered_at_50']:.2f}, beats random everywhere "
               f"{r['beats_random_everywhere']}, at 95%: {r['cost_saved_at_95']}")
         print(table(rows, ["share", "router", "random", "oracle"]))
+    if res["family_sweep"]:
+        sweep = res["family_sweep"]
+        print(f"\neach family held out once: router - random {sweep['mean_over_random']:+.4f} "
+              f"on average, above random on {sweep['above_random']} of {len(sweep['families'])}")
+        print(table(sweep["families"], ["family", "inputs", "weak", "strong", "router_50",
+                                        "random_50", "over_random"]))
     print("\nend to end:", res["end_to_end"])
     print("\nload balancing (modeled GPU clock)")
     print(table(res["balance"], ["replicas", "rate", "policy", "e2e_p50", "e2e_p99", "ttft_p99",

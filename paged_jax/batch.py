@@ -159,6 +159,8 @@ def build_step(
     next_ids = _next_ids(chunks, t)
     if next_ids is not None:
         shape = dataclasses.replace(shape, prompt_top=ec.max_logprobs)
+    if any(seq.wants_hidden(n) for seq, n in chunks):
+        shape = dataclasses.replace(shape, hidden=True)
     arrays = jax.device_put((tok, pos, rows_of, row_slots, qs, sample, fs, fd, fi, next_ids))
     admit = build_admissions(admits, ec, shape.flags, eos_ids, vocab_size)
     return StepBatch(*arrays[:-1], admit=admit, next_ids=arrays[-1]), shape, forks, rows

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from paged_jax import batch as batch_lib
 from paged_jax import compile_cache, kv_quant, parallel
@@ -40,7 +41,8 @@ from paged_jax.reservation import make_policy
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import Plan, Scheduler, SchedulerConfig
 from paged_jax.sequence import Request, Sequence, Status
-from paged_jax.step import EngineState, StepConfig, decode_window, run_step
+from paged_jax.step import EngineState, StepConfig, run_step
+from paged_jax.window import decode_window
 
 if TYPE_CHECKING:
     from paged_jax.models.tokenizer import Tokenizer
@@ -296,6 +298,10 @@ class Engine:
             self.refused_steps += 1
             self.scheduler.preempt(max(self.scheduler.running, key=lambda r: r.order))
             return []
+        new = {id(s): n for s, n in plan.chunks}  # rows: long chunks first, then children
+        for i, seq in enumerate(rows[:len(new)] if shape.hidden else []):
+            if seq.wants_hidden(new[id(seq)]):
+                seq.owner.hidden_states = np.array(out.hidden[i])
         for seq, n in plan.chunks:
             seq.num_computed += n
             seq.maybe_shared_last = False  # written: its last block is its own (forks below)
@@ -364,7 +370,8 @@ class Engine:
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             outputs=[s.completion() for s in req.seqs], finished=req.finished,
             metrics=req.metrics, num_cached_tokens=req.num_cached_tokens,
-            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs))
+            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+            hidden_states=req.hidden_states)
 
     def _record(self, t0: float, kind: str, tokens: int, steps: int, preempted: int) -> None:
         self.stats.append(StepStats(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 
 @dataclasses.dataclass
 class Logprob:
@@ -91,6 +93,8 @@ class RequestOutput:
       prompt_logprobs: with SamplingParams.prompt_logprobs, one entry per prompt token (None
         for the first): its logprob and rank, plus the top alternatives.
       model: which model served it, when a router chose (paged_jax.routing); else None.
+      hidden_states: with SamplingParams.return_hidden_states, the prompt's last-token hidden
+        state (numpy [hidden_size] fp32), once its prefill is done; else None.
     """
 
     request_id: str
@@ -102,6 +106,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     model: str | None = None
+    hidden_states: np.ndarray | None = None
 
 
 @dataclasses.dataclass

@@ -55,6 +55,10 @@ class SamplingParams:
       allowed_token_ids: only these tokens may be sampled.
       bad_words: words never generated; each must be a single token (with and without a
         leading space), checked when the request is submitted.
+      return_hidden_states: also return the prompt's last-token hidden state (after the
+        final norm, [hidden_size] fp32) in RequestOutput.hidden_states: what the model's
+        first output token is read from. Not in vLLM (SGLang's request option of this name);
+        the router's features use it (paged_jax/routing/features.py).
     """
 
     n: int = 1
@@ -80,6 +84,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    return_hidden_states: bool = False
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)

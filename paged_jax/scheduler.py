@@ -150,8 +150,11 @@ class Scheduler:
         if self.config.decode_window < 2 or not plan.decode_only or plan.admitted:
             return False
         for s, _ in plan.chunks:
-            if not self.kv.slot_live[s.slot] or (s.owner.params.n > 1 and not s.owner.forked):
-                return False  # going live, or a one-token prompt that must fork
+            # going live, or a one-token prompt that must fork or asks for its hidden state
+            # (a window returns neither)
+            if not self.kv.slot_live[s.slot] or s.wants_hidden(1) or (
+                    s.owner.params.n > 1 and not s.owner.forked):
+                return False
         return not self._can_admit()
 
     def _can_admit(self) -> bool:

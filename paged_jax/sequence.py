@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+import numpy as np
+
 from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics
 from paged_jax.sampling_params import SamplingParams
 
@@ -59,6 +61,13 @@ class Sequence:
         """Tokens whose K/V the next steps must compute."""
         return len(self.tokens) - self.num_computed
 
+    def wants_hidden(self, n: int) -> bool:
+        """Whether computing its next n tokens ends its request's first prefill and the
+        request asked for the prompt's hidden state (a recompute after preemption does not
+        ask again; a decode window cannot return it)."""
+        return (self.owner.params.return_hidden_states and self.owner.hidden_states is None
+                and self.num_computed + n == len(self.tokens) == self.prompt_len)
+
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
             index=self.index, text=self.text, token_ids=list(self.output_ids),
@@ -86,6 +95,7 @@ class Request:
     banned_ids: tuple[int, ...] = ()  # token ids of its bad words (engine_input)
     # vLLM's prompt_logprobs: None first, then one entry per prompt token (filled as computed)
     prompt_logprobs: list | None = None
+    hidden_states: np.ndarray | None = None  # SamplingParams.return_hidden_states
 
     @property
     def finished(self) -> bool:

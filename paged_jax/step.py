@@ -13,8 +13,7 @@ row_slots[r], and the host pads the rows to a power-of-two bucket of the sequenc
       4. forks (n > 1)      -> children share the prompt's blocks, each with its own key
       5. sample             -> per-row parameters and keys; advance counts; stop on device
 
-    decode_window(params, state, row_slots, tokens)   up to W decode steps in a while_loop:
-      exits early when every row stopped or the pool cannot grow (no host sync inside)
+The decode window (paged_jax/window.py) runs `step_body` up to W times in a while_loop.
 
 If `reserve_tokens` reports the pool cannot cover the step, steps 1-5 do not run and the state
 comes back as it was after the admissions (`ok` False): the host preempts and retries.
@@ -116,8 +115,9 @@ class StepBatch:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepOut:
-    """Per-row results of a step (only rows with `sampled` set are meaningful), and per-token
-    prompt logprobs ([T], [T, J'] arrays when the shape has prompt_top, else empty)."""
+    """Per-row results of a step (only rows with `sampled` set are meaningful), per-token
+    prompt logprobs ([T], [T, J'] arrays when the shape has prompt_top, else empty), and each
+    row's last-token hidden state ([R, E] when the shape has `hidden`, else [R, 0])."""
 
     tokens: Int[Array, "R"]
     logprobs: Float[Array, "R"]
@@ -129,6 +129,7 @@ class StepOut:
     ok: Bool[Array, ""]
     num_free: Int[Array, ""]
     prompt: smp.PromptLogprobs
+    hidden: Float[Array, "R E"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +156,8 @@ class StepShape:
       flags: sampler features the rows need.
       prompt_top: J', top logprobs per prompt token, when some row wants prompt logprobs
         (the forward then keeps every token's logits); None: none.
+      hidden: return each row's last-token hidden state (some row finishing its prompt
+        asked for it: SamplingParams.return_hidden_states).
     """
 
     max_q: int = 1
@@ -165,6 +168,7 @@ class StepShape:
     decode_pages: int | None = None
     flags: smp.SampleFlags = smp.SampleFlags()
     prompt_top: int | None = None
+    hidden: bool = False
 
 
 def _admit(state: EngineState, adm: Admissions | None) -> EngineState:
@@ -205,9 +209,9 @@ def _num_new(batch: StepBatch, num_slots: int) -> Int[Array, "S"]:
 
 def _forward_rows(
     params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, shape: StepShape
-) -> tuple[Float[Array, "R V"], KVCache, smp.PromptLogprobs]:
-    """Model forward over the batch's rows: logits of each row's last token (and the prompt
-    logprobs of every token, when the shape asks for them).
+) -> tuple[Float[Array, "R V"], KVCache, smp.PromptLogprobs, Float[Array, "R E"]]:
+    """Model forward over the batch's rows: logits of each row's last token, the prompt
+    logprobs of every token and each row's last hidden state (empty unless the shape asks).
 
     Attention sees only the first `max_pages` pages of each row (a static bucket covering the
     longest sequence in the step), so short contexts do not pay for max_model_len.
@@ -221,13 +225,18 @@ def _forward_rows(
     args = (batch.token_ids, batch.positions, cache_pos,
             table.block_tables[slots][:, :shape.max_pages], seq_lens, batch.query_start)
     kw = dict(max_q=shape.max_q, backend=cfg.backend, max_q_rows=shape.max_q_rows,
-              decode_pages=shape.decode_pages, all_logits=every)
+              decode_pages=shape.decode_pages, all_logits=every, with_hidden=shape.hidden)
     logits, cache = parallel.sharded_forward(  # plain `forward` without a mesh
         cfg.mesh, forward, cfg.model, params, state.cache, *args, **kw)
+    logits, hidden = logits if shape.hidden else (logits, _no_hidden(batch.row_slots.shape[0]))
     if not every:
-        return logits, cache, smp.PromptLogprobs.empty()
+        return logits, cache, smp.PromptLogprobs.empty(), hidden
     prompt = smp.prompt_logprobs(logits, batch.next_ids, shape.prompt_top)
-    return logits[jnp.clip(batch.query_start[1:] - 1, 0)], cache, prompt
+    return logits[jnp.clip(batch.query_start[1:] - 1, 0)], cache, prompt, hidden
+
+
+def _no_hidden(rows: int) -> Float[Array, "R 0"]:
+    return jnp.zeros((rows, 0), jnp.float32)
 
 
 def _fork_children(
@@ -255,17 +264,19 @@ def _sample(
     finished, reason = smp.stop_mask(counted, res.tokens)
     out = StepOut(res.tokens, res.logprobs, res.top_ids, res.top_logprobs, active,
                   finished & active, reason, jnp.asarray(True), state.pool.num_free,
-                  smp.PromptLogprobs.empty())
+                  smp.PromptLogprobs.empty(), _no_hidden(slots.shape[0]))
     return dataclasses.replace(state, sampling=sampling), out
 
 
-def _empty_out(state: EngineState, rows: int, tokens: int, shape: StepShape) -> StepOut:
+def _empty_out(state: EngineState, rows: int, tokens: int, shape: StepShape,
+               width: int) -> StepOut:
     j = shape.flags.num_top_logprobs
     zi, zf, zb = (jnp.zeros((rows,), t) for t in (jnp.int32, jnp.float32, bool))
     prompt = (smp.PromptLogprobs.empty() if shape.prompt_top is None
               else smp.PromptLogprobs.empty(tokens, shape.prompt_top))
     return StepOut(zi, zf, jnp.zeros((rows, j), jnp.int32), jnp.zeros((rows, j), jnp.float32),
-                   zb, zb, zi, jnp.asarray(False), state.pool.num_free, prompt)
+                   zb, zb, zi, jnp.asarray(False), state.pool.num_free, prompt,
+                   jnp.zeros((rows, width if shape.hidden else 0), jnp.float32))
 
 
 def step_body(
@@ -284,14 +295,15 @@ def step_body(
     def go(_):
         cache = copy_blocks(state.cache, src, dst) if shape.max_copies else state.cache
         st = EngineState(pool, table, cache, state.sampling)
-        logits, cache, prompt = _forward_rows(params, st, batch, cfg, shape)
+        logits, cache, prompt, hidden = _forward_rows(params, st, batch, cfg, shape)
         st, logits = _fork_children(dataclasses.replace(st, cache=cache), logits, batch)
         st, out = _sample(st, logits, batch.row_slots, batch.sample & (batch.row_slots >= 0),
                           shape.flags)
-        return st, dataclasses.replace(out, prompt=prompt)
+        return st, dataclasses.replace(out, prompt=prompt, hidden=hidden)
 
     rows, tokens = batch.row_slots.shape[0], batch.token_ids.shape[0]
-    return jax.lax.cond(ok, go, lambda _: (state, _empty_out(state, rows, tokens, shape)), None)
+    empty = _empty_out(state, rows, tokens, shape, cfg.model.hidden_size)
+    return jax.lax.cond(ok, go, lambda _: (state, empty), None)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "shape"), donate_argnames=("state",))
@@ -312,88 +324,3 @@ def run_step(
       is the state after the admissions.
     """
     return step_body(params, state, batch, cfg, shape)
-
-
-def decode_batch(
-    row_slots: Int[Array, "R"], tokens: Int[Array, "R"], active: Bool[Array, "R"],
-    seq_lens: Int[Array, "S"],
-) -> StepBatch:
-    """A decode-only batch: one token per row (inactive rows are padding)."""
-    r = row_slots.shape[0]
-    slots = jnp.where(active, row_slots, -1)
-    rows = jnp.arange(r, dtype=jnp.int32)
-    no_fork = jnp.full((1,), -1, jnp.int32)
-    return StepBatch(
-        token_ids=tokens, positions=seq_lens[jnp.clip(row_slots, 0)],
-        token_rows=jnp.where(active, rows, -1), row_slots=slots,
-        query_start=jnp.arange(r + 1, dtype=jnp.int32), sample=active,
-        fork_src=no_fork, fork_dst=no_fork, fork_index=no_fork)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class WindowOut:
-    """Tokens of up to W decode steps: step i's token of row r is tokens[i, r] if valid[i, r]."""
-
-    tokens: Int[Array, "W R"]
-    logprobs: Float[Array, "W R"]
-    top_ids: Int[Array, "W R J"]
-    top_logprobs: Float[Array, "W R J"]
-    valid: Bool[Array, "W R"]
-    finished: Bool[Array, "R"]
-    reason: Int[Array, "R"]
-    steps: Int[Array, ""]
-    ok: Bool[Array, ""]
-    num_free: Int[Array, ""]
-
-
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "window", "shape"), donate_argnames=("state",))
-def decode_window(
-    params: Params, state: EngineState, row_slots: Int[Array, "R"], tokens: Int[Array, "R"], *,
-    cfg: StepConfig, window: int, shape: StepShape,
-) -> tuple[EngineState, WindowOut]:
-    """Up to `window` decode steps in one `lax.while_loop`; the host syncs once per window.
-
-    Args:
-      params: model parameters (runtime form).
-      state: device state (donated).
-      row_slots: [R] the slot each row decodes (-1: padding row).
-      tokens: [R] each row's last sampled token (the next input).
-      cfg: static engine config.
-      window: static W, the most steps.
-      shape: static bounds; max_pages / decode_pages must cover every row's length at the
-        end of the window.
-
-    Returns:
-      (state', WindowOut). The loop stops early when every row has stopped, or when the pool
-      cannot cover the next step (ok False; that step did not run).
-    """
-    r, j = row_slots.shape[0], shape.flags.num_top_logprobs
-    out0 = WindowOut(
-        jnp.zeros((window, r), jnp.int32), jnp.zeros((window, r), jnp.float32),
-        jnp.zeros((window, r, j), jnp.int32), jnp.zeros((window, r, j), jnp.float32),
-        jnp.zeros((window, r), bool), jnp.zeros((r,), bool), jnp.zeros((r,), jnp.int32),
-        jnp.asarray(0), jnp.asarray(True), state.pool.num_free)
-
-    def cond(c):
-        _, _, act, out = c
-        return (out.steps < window) & act.any() & out.ok
-
-    def body(c):
-        st, tok, act, out = c
-        st, o = step_body(params, st, decode_batch(row_slots, tok, act, st.table.seq_lens),
-                          cfg, shape)
-        i = out.steps
-        valid = o.sampled & o.ok
-        out = WindowOut(
-            out.tokens.at[i].set(o.tokens), out.logprobs.at[i].set(o.logprobs),
-            out.top_ids.at[i].set(o.top_ids), out.top_logprobs.at[i].set(o.top_logprobs),
-            out.valid.at[i].set(valid), out.finished | (o.finished & valid),
-            jnp.where(o.finished & valid, o.reason, out.reason),
-            i + o.ok.astype(jnp.int32), o.ok, o.num_free)
-        return st, jnp.where(valid, o.tokens, tok), act & ~(o.finished & valid), out
-
-    state, _, _, out = jax.lax.while_loop(cond, body, (state, tokens, row_slots >= 0, out0))
-    return state, out
-

@@ -14,7 +14,8 @@ from paged_jax.sampling import SampleFlags
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import Plan
 from paged_jax.sequence import Request, Sequence, Status
-from paged_jax.step import StepShape, decode_batch, run_step
+from paged_jax.step import StepShape, run_step
+from paged_jax.window import decode_batch
 from tests.engine_helpers import BASE, GREEDY, engine, run
 
 EC = engine().config  # block 8, 8 slots, budget 64, max_model_len 256 (P = 32)

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from paged_jax import step as step_lib
+from paged_jax import window as window_lib
 from paged_jax.sampling_params import SamplingParams
 from tests.engine_helpers import GREEDY, all_free, engine, prompts, run, tokens
 
@@ -93,9 +94,9 @@ def test_abort_frees_everything():
 def test_no_recompilation_after_warmup():
     reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(12))]
     run(engine(), reqs)  # warm-up: compiles every bucket this workload uses
-    sizes = (step_lib.run_step._cache_size(), step_lib.decode_window._cache_size())
+    sizes = (step_lib.run_step._cache_size(), window_lib.decode_window._cache_size())
     run(engine(), [(f"b{i}", p, sp) for i, p, sp in reqs])
-    assert (step_lib.run_step._cache_size(), step_lib.decode_window._cache_size()) == sizes
+    assert (step_lib.run_step._cache_size(), window_lib.decode_window._cache_size()) == sizes
 
 
 def test_stop_strings_tokens_min_tokens_and_logprobs(batched_greedy):

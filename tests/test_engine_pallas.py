@@ -118,6 +118,7 @@ import jax
 from kernels import paged_attention, ragged_paged_attention
 from paged_jax import batch as batch_lib
 from paged_jax import step as step_lib
+from paged_jax import window as window_lib
 from tests.test_engine_pallas import GREEDY, PROMPTS, SMALL, engine
 
 for mod in (paged_attention, ragged_paged_attention):  # Triton, not the interpreter
@@ -131,7 +132,7 @@ for kv in ("auto", "fp8"):  # float pages, and fp8 bits with scales
     rows, toks, wshape, _ = batch_lib.build_window(plan, eng.config, "pallas")
     for low in (
         step_lib.run_step.trace(eng.params, eng.state, batch, cfg=eng.step_cfg, shape=shape),
-        step_lib.decode_window.trace(eng.params, eng.state, jax.numpy.asarray(rows),
+        window_lib.decode_window.trace(eng.params, eng.state, jax.numpy.asarray(rows),
                                      jax.numpy.asarray(toks), cfg=eng.step_cfg, window=4,
                                      shape=wshape),
     ):

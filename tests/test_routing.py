@@ -45,6 +45,9 @@ def test_features_tell_sure_from_unsure():
     assert x.shape == (len(feat.NAMES),)
     by = dict(zip(feat.NAMES, x.tolist(), strict=True))
     assert by["digits"] == 7 and by["longest_number"] == 4
+    h = np.arange(5, dtype=np.float32)
+    with_h = feat.features("Q: What is 1 + 2?\nA:", _top([-1.0, -2.0]), h)
+    assert with_h.shape == (len(feat.NAMES) + 5,) and with_h[-5:].tolist() == h.tolist()
 
 
 def test_head_learns_calibrates_and_round_trips(tmp_path):
@@ -68,6 +71,54 @@ def test_head_learns_calibrates_and_round_trips(tmp_path):
     assert back.metrics == head.metrics
     with pytest.raises(FileNotFoundError, match="python -m paged_jax.routing.train"):
         head_lib.load(tmp_path / "none")
+
+
+def test_members_and_the_hidden_state_projection(tmp_path):
+    """Three members average; a head reads its label off a direction of the hidden state
+    through the PCA projection (the named features are noise), and saves and loads it."""
+    rng = np.random.default_rng(1)
+    b, n = len(feat.NAMES), 600
+    h = rng.standard_normal((n, 12)).astype(np.float32) * np.linspace(3, 0.5, 12)
+    x = np.concatenate([rng.standard_normal((n, b)).astype(np.float32), h], 1)
+    y = np.stack([h[:, 0] > 0, h[:, 0] < 0], 1).astype(np.float32)
+    center, comps = head_lib.pca(x[:400, b:], 2)
+    assert comps.shape == (12, 2) and abs(comps[0, 0]) > 0.9  # the widest direction first
+    inputs = head_lib.inputs(x[:400], b, (0, 1), center, comps)
+    assert inputs.shape == (400, 4)
+    head = dataclasses.replace(
+        head_lib.train(inputs, y[:400], steps=300, members=3, names=feat.NAMES),
+        columns=(0, 1), center=center, components=comps)
+    assert head.params["w1"].shape == (3, 4, head_lib.HIDDEN)
+    head = head_lib.calibrate(head, x[:400], y[:400])
+    assert head.temperature.shape == (3, 2)
+    assert ((head.gain(x[400:]) > 0) == y[400:, 1].astype(bool)).mean() > 0.9
+    each = [dataclasses.replace(head, params={k: v[m:m + 1] for k, v in head.params.items()},
+                                temperature=head.temperature[m:m + 1]) for m in range(3)]
+    np.testing.assert_allclose(np.mean([e.predict(x) for e in each], 0), head.predict(x),
+                               rtol=1e-5)
+    with pytest.raises(ValueError, match="hidden state of size 12, but the features carry 5"):
+        head.gain(x[:, :b + 5])  # a weak model with another hidden size
+    back = head_lib.load(head_lib.save(head, tmp_path / "h"))
+    assert back.columns == (0, 1)
+    np.testing.assert_allclose(back.gain(x), head.gain(x), rtol=1e-6)
+
+
+def test_choose_finds_what_carries_over_to_an_unseen_family(monkeypatch):
+    """Labels set by the hidden state in every family, named features that mean something
+    different in each: leave-one-family-out picks the hidden state's components."""
+    from paged_jax.routing import train
+
+    rng = np.random.default_rng(2)
+    b, n = len(feat.NAMES), 480
+    family = np.repeat(np.arange(4), n // 4)
+    h = rng.standard_normal((n, 8)).astype(np.float32) * np.linspace(3, 0.5, 8)
+    named = rng.standard_normal((n, b)).astype(np.float32)
+    sign = np.where(family % 2, 1.0, -1.0)  # named feature 0 flips its meaning by family
+    y = np.stack([named[:, 0] * sign > 0, h[:, 0] > 0], 1).astype(np.float32)
+    x = np.concatenate([named, h], 1)
+    monkeypatch.setattr(train, "CANDIDATES", ((None, 0), (None, 2)))
+    best, scores = train.choose(x, y, family)
+    assert best == (None, 2) and scores["all+pca2"] > scores["all+pca0"] + 0.05
 
 
 def test_curves_on_a_known_case():
@@ -105,6 +156,8 @@ def test_routed_outputs_are_each_models_own(pair):
         assert route.model == o.model and (route.gain > thr) == (o.model == "s")
         assert o.outputs[0].token_ids == alone[o.model][i].outputs[0].token_ids
         assert o.outputs[0].logprobs is None and o.outputs[0].cumulative_logprob is None
+        assert o.hidden_states is None  # the router asked for it, the caller did not
+        assert len(route.features) == len(feat.NAMES) + tiny_config().hidden_size
     assert not weak.llm_engine.has_unfinished() and not strong.llm_engine.has_unfinished()
     # a moved request's prompt blocks stay in the weak model's prefix cache
     moved = next(i for i, o in enumerate(outs) if o.model == "s")
@@ -152,16 +205,38 @@ def test_shares_and_bad_values(pair):
         RoutedLLM(weak, strong, head).generate(PROMPTS[:2], [SP])
 
 
-def test_build_labels_features_and_saves(pair, tmp_path):
+def test_a_cost_budget_sets_the_share(pair):
+    from paged_jax.routing.router import share_for_budget
+
+    weak, strong, head = pair
+    cost = dict(modeled_gpu=dict(w=1.0, s=4.0, probe=0.5))
+    head = dataclasses.replace(head, metrics=dict(
+        models=["w", "s"], cost=cost, train_gains=list(np.linspace(-1, 1, 101))))
+    # (1 - s) * 1 + s * 4.5 = 0.5 * 4  ->  s = 1 / 3.5
+    assert share_for_budget(head, 0.5) == pytest.approx(1 / 3.5)
+    assert share_for_budget(head, 0.1) == 0.0 and share_for_budget(head, 2.0) == 1.0
+    router = RoutedLLM(weak, strong, head, cost_budget=0.5, strong_share=0.9)
+    gains = np.asarray(head.metrics["train_gains"])
+    assert (gains > router.threshold).mean() == pytest.approx(1 / 3.5, abs=0.01)
+    with pytest.raises(ValueError, match="cost_budget must be a positive"):
+        RoutedLLM(weak, strong, head, cost_budget=0.0)
+    with pytest.raises(ValueError, match="no per-model costs"):
+        RoutedLLM(weak, strong, dataclasses.replace(head, metrics={}), cost_budget=0.5)
+
+
+def test_build_labels_features_and_saves(pair, tmp_path, monkeypatch):
     """routing.train on two tiny models: labels from each model's own answers, features from
-    the weak one's, a head per split, everything saved and loaded back."""
+    the weak one's, a head per split (its inputs chosen among two candidates), everything
+    saved and loaded back."""
     from paged_jax.routing import likelihood as lk
     from paged_jax.routing import train
 
     weak, strong, _ = pair
+    monkeypatch.setattr(train, "CANDIDATES", ((None, 0), (train.PROMPT_ONLY, 4)))
     items = make_items(len(FAMILIES) * 6, seed=9)
     data = train.build(weak, strong, items)
-    assert data["x"].shape == (len(items), len(feat.NAMES)) and data["y"].shape == (len(items), 2)
+    width = len(feat.NAMES) + tiny_config().hidden_size  # named features, hidden state
+    assert data["x"].shape == (len(items), width) and data["y"].shape == (len(items), 2)
     own = weak.generate([it.prompt for it in items[:4]], SamplingParams(
         temperature=0.0, max_tokens=train.MAX_TOKENS, stop=["\n"]), use_tqdm=False)
     assert data["texts"][0][:4] == [o.outputs[0].text for o in own]
@@ -180,6 +255,9 @@ def test_build_labels_features_and_saves(pair, tmp_path):
     head = head_lib.load(tmp_path / "head")
     np.testing.assert_allclose(head.gain(data["x"]), data["heads"]["random"].gain(data["x"]))
     assert head.metrics["split"] == "random" and (tmp_path / "metrics.json").is_file()
+    assert set(head.metrics["candidates"]) == {"all+pca0", "prompt+pca4"}
+    assert head.metrics["inputs"] in head.metrics["candidates"]
+    assert set(head.metrics["cost"]["modeled_gpu"]) == {*train.MODELS, "probe"}
 
 
 def test_slo_mode_keeps_requests_off_a_backed_up_strong_model(pair):
@@ -210,12 +288,17 @@ def test_slo_mode_keeps_requests_off_a_backed_up_strong_model(pair):
 def test_the_shipped_head_matches_the_features():
     """paged_jax/routing/trained (committed; `python -m paged_jax.routing.train` rebuilds it)
     loads, speaks the current feature names, and knows its training gains."""
+    from paged_jax.routing import train
+
     head = head_lib.load()
-    assert head.names == feat.NAMES and head.params["w1"].shape == (len(feat.NAMES),
-                                                                      head_lib.HIDDEN)
+    k = head.components.shape[1]
+    assert head.names == feat.NAMES and head.metrics["inputs"].endswith(f"pca{k}")
+    assert head.params["w1"].shape[:2] == (train.MEMBERS, len(head.columns or feat.NAMES) + k)
     gains = head.metrics["train_gains"]
     assert len(gains) > 100 and gains == sorted(gains)
-    p = head.predict(np.zeros((3, len(feat.NAMES)), np.float32))
+    width = len(feat.NAMES) + 576  # SmolLM2-135M's hidden size
+    assert head.center.shape in ((0,), (576,))
+    p = head.predict(np.zeros((3, width), np.float32))
     assert p.shape == (3, 2) and np.all((p > 0) & (p < 1))
 
 

@@ -15,7 +15,19 @@ import numpy as np
 import openai
 import pytest
 
-from tests.test_models_gguf import hf_weights, write_gguf
+from paged_jax.routing import features as feat
+from paged_jax.routing import head as head_lib
+from paged_jax.routing import train
+from tests.test_models_gguf import E, hf_weights, write_gguf
+
+
+def tiny_head(folder) -> str:
+    """A head for the tiny GGUF's hidden size, on random labels (the shipped head projects
+    SmolLM2's 576-wide hidden state)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, len(feat.NAMES) + E)).astype(np.float32)
+    y = (rng.random((256, 2)) < 0.5).astype(np.float32)
+    return str(head_lib.save(train.fit(x, y, (None, 4)), folder))
 
 
 def free_port() -> int:
@@ -26,13 +38,14 @@ def free_port() -> int:
 
 @pytest.mark.parametrize("routed", [False, True], ids=["one-model", "routed"])
 def test_cli_serves_a_gguf_and_stops_gracefully(tmp_path, routed):
-    """Routed: `--strong-model` adds a second GGUF and "auto" (the shipped head routes)."""
+    """Routed: `--strong-model` adds a second GGUF and "auto" (a head saved for the tiny
+    model's hidden size routes: `--router-head`)."""
     path, strong = tmp_path / "tiny.gguf", tmp_path / "tiny2.gguf"
     write_gguf(path, hf_weights(np.random.default_rng(0)))
     extra = []
     if routed:
         write_gguf(strong, hf_weights(np.random.default_rng(1)))
-        extra = ["--strong-model", str(strong)]
+        extra = ["--strong-model", str(strong), "--router-head", tiny_head(tmp_path / "head")]
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "paged_jax.serve", str(path), "--port", str(port),

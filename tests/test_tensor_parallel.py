@@ -10,6 +10,7 @@ import pytest
 
 from paged_jax import parallel
 from paged_jax import step as step_lib
+from paged_jax import window as window_lib
 from paged_jax.models.testing import tiny_config
 from paged_jax.sampling_params import SamplingParams
 from tests.engine_helpers import BASE, GREEDY, all_free, engine, model, prompts, run, tokens
@@ -82,10 +83,10 @@ def test_layout_rules():
 def test_no_recompilation_after_warmup():
     reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(8))]
     run(engine(tensor_parallel_size=2), reqs)
-    sizes = (step_lib.run_step._cache_size(), step_lib.decode_window._cache_size())
+    sizes = (step_lib.run_step._cache_size(), window_lib.decode_window._cache_size())
     outs = run(engine(tensor_parallel_size=2), [(f"b{i}", p, sp) for i, p, sp in reqs])
     assert len(outs) == len(reqs)
-    assert (step_lib.run_step._cache_size(), step_lib.decode_window._cache_size()) == sizes
+    assert (step_lib.run_step._cache_size(), window_lib.decode_window._cache_size()) == sizes
 
 
 def test_sharded_params_rebuild_the_unsharded_weights():

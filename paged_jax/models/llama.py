@@ -211,6 +211,9 @@ def decoder_layer(
     return x + m, kv
 
 
+Logits = Float[Array, "S V"] | Float[Array, "T V"]
+
+
 def forward(
     params: Params,
     cache: KVCache,
@@ -228,7 +231,8 @@ def forward(
     max_q_rows: int | None = None,
     decode_pages: int | None = None,
     tp: bool = False,
-) -> tuple[Float[Array, "S V"] | Float[Array, "T V"], KVCache]:
+    with_hidden: bool = False,
+) -> tuple[Logits | tuple[Logits, Float[Array, "S E"]], KVCache]:
     """One decoder pass over a ragged batch (semantics of `paged_jax.attention`).
 
     Args:
@@ -244,9 +248,12 @@ def forward(
       max_q_rows, decode_pages: static hints of `paged_jax.attention.paged_attention`.
       tp: one device's share under tensor parallelism (inside `parallel.shard_forward`;
         `config` is then `parallel.local_config`): params and cache are this device's.
+      with_hidden: also return each sequence's last-token hidden state (after the final
+        norm, fp32 [S, E]): the vector its first output token's logits come from.
 
     Returns:
-      (logits fp32 [S, V] at token query_start[s+1] - 1, or [T, V] if all_logits; cache').
+      (logits fp32 [S, V] at token query_start[s+1] - 1, or [T, V] if all_logits; cache'),
+      or ((logits, hidden), cache') with_hidden (one tree, so shard_map's out_specs hold).
     """
     x = tp_lib.embed_lookup(params["embed"], token_ids) if tp else params["embed"][token_ids]
     if config.embed_scale != 1.0:
@@ -263,17 +270,26 @@ def forward(
         x, kv = decoder_layer(p, x, cache.layer(i), batch, rot if window is None else rot_local,
                               config=config, attn=(*attn, ("window", window)))
         layers.append(kv)
-    cache = KVCache.of_layers(layers)
-    if not all_logits:
-        x = x[jnp.clip(query_start[1:] - 1, 0)]
-    return _logits(params, x, config, tp), cache
+    out = _outputs(params, x, query_start, config, tp, all_logits, with_hidden)
+    return out, KVCache.of_layers(layers)
+
+
+def _outputs(params: Params, x: Float[Array, "T E"], query_start: Int[Array, "Q"],
+             config: ModelConfig, tp: bool, all_logits: bool, with_hidden: bool):
+    """The final norm, then logits (every token's or each sequence's last) and, with_hidden,
+    each sequence's last normed hidden state."""
+    last = jnp.clip(query_start[1:] - 1, 0)
+    x = rms_norm(x if all_logits else x[last], params["final_norm"], config.rms_norm_eps)
+    logits = _logits(params, x, config, tp)
+    if with_hidden:  # the residual stream is whole on every device, so no gather under tp
+        return logits, (x[last] if all_logits else x).astype(jnp.float32)
+    return logits
 
 
 def _logits(params: Params, x: Float[Array, "T E"], config: ModelConfig,
             tp: bool) -> Float[Array, "T V"]:
-    """Final norm and LM head (tied embeddings when there is no lm_head); fp32. `tp`: this
-    device's vocabulary slice, gathered over the mesh."""
-    x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    """LM head on final-normed x (tied embeddings when there is no lm_head); fp32. `tp`:
+    this device's vocabulary slice, gathered over the mesh."""
     if "lm_head" in params:
         logits = x @ params["lm_head"]
     else:

@@ -1,11 +1,15 @@
 """Model routing: send each request to the model that fits it (weak and cheap, or strong).
 
     tasks.py     an evaluation set made by code, with checkable answers at graded difficulty
-    features.py  what the router sees: the weak model's first-token logprobs + prompt features
-    head.py      the complexity classifier (optax MLP, calibrated), saved with orbax
-    train.py     `python -m paged_jax.routing.train`: labels, features, splits, heads
+    features.py  what the router sees: the weak model's first-token logprobs and last hidden
+                 state, + prompt features
+    head.py      the complexity classifier (averaged optax MLPs over named features and PCA
+                 of the hidden state, calibrated), saved with orbax
+    train.py     `python -m paged_jax.routing.train`: labels, features, splits, the inputs
+                 chosen by leave-one-family-out, heads
     curves.py    quality vs strong-model share per policy; cost saved at 95% quality
-    router.py    RoutedLLM(weak, strong, head).generate / chat
+    router.py    RoutedLLM(weak, strong, head).generate / chat (strong_share, cost_budget,
+                 latency SLOs)
     balance.py   load balancing across replicas: round-robin, least tokens, KV-aware
     replicas.py  replicas behind a balancer on a modeled GPU clock (latency, throughput)
 """

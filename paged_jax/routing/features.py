@@ -1,9 +1,12 @@
 """What the router knows about a request before choosing a model: features of the weak model's
 own prefill plus cheap features of the prompt text.
 
-The weak model's prefill ends in the distribution of its first output token; its top
-`TOP_K` logprobs (`SamplingParams(logprobs=TOP_K)`, what the prefill's last hidden state
-gives through the LM head) say how sure the weak model is:
+The weak model's prefill ends in its last hidden state (after the final norm), the vector
+its first output token is read from (`SamplingParams(return_hidden_states=True)`): the
+pooled representation of the prompt, as Hugging Face's sequence-classification heads on
+decoder models pool it (the last token). The head projects it on a few principal components
+(routing/head.py). Its top `TOP_K` logprobs (`SamplingParams(logprobs=TOP_K)`) say how sure
+the weak model is:
 
     top1         logprob of its most likely first token
     margin       top1 minus the runner-up's logprob
@@ -13,6 +16,7 @@ gives through the LM head) say how sure the weak model is:
 The prompt's last line (the question) gives the rest: its length in characters and words,
 how many digits it holds and the longest run of them, and how many list separators it has.
 No feature names a task family, so a router trained on some families can be tried on others.
+A request's raw features are the `NAMES` (in order), then the hidden state.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ def prompt_features(prompt: str) -> list[float]:
             float(max(map(len, numbers), default=0)), float(q.count(";") + q.count(","))]
 
 
-def features(prompt: str, first: dict[int, Logprob]) -> np.ndarray:
-    """One request's feature vector, in `NAMES` order (float32)."""
-    return np.asarray(logprob_features(first) + prompt_features(prompt), np.float32)
+def features(prompt: str, first: dict[int, Logprob],
+             hidden: np.ndarray | None = None) -> np.ndarray:
+    """One request's raw features (float32): `NAMES` in order, then the weak model's hidden
+    state [E] when given."""
+    named = np.asarray(logprob_features(first) + prompt_features(prompt), np.float32)
+    return named if hidden is None else np.concatenate([named, np.asarray(hidden, np.float32)])

@@ -1,19 +1,23 @@
 """RoutedLLM: each request goes to a weak (cheap) or a strong model, chosen per request by the
 trained head (routing/head.py) from the weak model's own prefill.
 
-    request --> weak LLM: prefill + first token (its top-20 logprobs asked for)
-                  |  features(prompt, first token's logprobs) --> head.gain() > threshold?
+    request --> weak LLM: prefill + first token (its top-20 logprobs and the prompt's last
+                  |  hidden state asked for)
+                  |  features(prompt, logprobs, hidden state) --> head.gain() > threshold?
                   |-- no:  the weak request simply goes on (nothing recomputed)
                   '-- yes: the weak request is aborted (its full prompt blocks stay in the
                            weak model's prefix cache) and the request goes to the strong LLM
 
 So a request that stays on the weak model pays nothing for being routed but the classifier
-(numpy, microseconds) and the first position's top-20 logprobs; one that moves pays the weak
-model's prefill. Both engines are stepped in turn in this process, so moved requests run on the
-strong model while the weak one serves the rest.
+(numpy, microseconds), the first position's top-20 logprobs and its hidden state (read from
+the same prefill); one that moves pays the weak model's prefill. Both engines are stepped in
+turn in this process, so moved requests run on the strong model while the weak one serves
+the rest.
 
 The threshold comes from `strong_share` (the share of requests the head's training set would
-send to the strong model at it) or is given directly. In latency-SLA mode (`ttft_slo` /
+send to the strong model at it), from `cost_budget` (the share whose expected cost per
+request is that fraction of always-strong's, on the head's modeled GPU clock) or is given
+directly. In latency-SLA mode (`ttft_slo` /
 `tpot_slo`, seconds) a request the head would move stays on the weak model when the strong
 model is not expected to meet the bounds given its current queue (routing/sla.py).
 """
@@ -55,13 +59,18 @@ class RoutedLLM:
       strong_share: the share of traffic to send to the strong model, in [0, 1], turned into
         a threshold with the head's saved training gains; or
       threshold: the expected-gain threshold itself (overrides strong_share).
+      cost_budget: spend at most this fraction (> 0) of always-strong's cost per request:
+        the share is the largest whose mean cost (weak requests, plus moved ones paying the
+        probe and the strong model) fits, with the costs the head was trained with
+        (head.metrics["cost"]["modeled_gpu"]); overrides strong_share.
       ttft_slo, tpot_slo: latency bounds in seconds (None: none) the strong model must be
         expected to meet for a request to move to it.
     """
 
     def __init__(self, weak: LLM, strong: LLM, head: Head, *, strong_share: float = 0.5,
                  threshold: float | None = None, names: tuple[str, str] = ("weak", "strong"),
-                 ttft_slo: float | None = None, tpot_slo: float | None = None):
+                 ttft_slo: float | None = None, tpot_slo: float | None = None,
+                 cost_budget: float | None = None):
         if not 0 <= strong_share <= 1:
             raise ValueError(f"strong_share must be in [0, 1], got {strong_share}")
         for name, v in (("ttft_slo", ttft_slo), ("tpot_slo", tpot_slo)):
@@ -69,6 +78,8 @@ class RoutedLLM:
                 raise ValueError(f"{name} must be a positive number of seconds, got {v}")
         self.weak, self.strong, self.head, self.names = weak, strong, head, names
         self.slo = (ttft_slo, tpot_slo)
+        if cost_budget is not None:
+            strong_share = share_for_budget(head, cost_budget)
         self.threshold = threshold if threshold is not None else head_threshold(head,
                                                                                 strong_share)
         self.routes: dict[str, Route] = {}
@@ -115,15 +126,16 @@ class RoutedLLM:
         return [done[r] for r in asked]
 
     def probe_params(self, sp: SamplingParams) -> SamplingParams:
-        """`sp` with the first-token logprobs the head's features need."""
-        return dataclasses.replace(sp, logprobs=max(sp.logprobs or 0, feat.TOP_K))
+        """`sp` with the first-token logprobs and hidden state the head's features need."""
+        return dataclasses.replace(sp, logprobs=max(sp.logprobs or 0, feat.TOP_K),
+                                   return_hidden_states=True)
 
     def decide(self, prompt_text: str, first: RequestOutput) -> Route:
         """Where a request goes, from the weak model's first output (asked with
         `probe_params`). In SLA mode it reads the strong engine's queue and recent steps
         (a server calls this off the engine's thread: a racy read of counts, good enough for
         an estimate)."""
-        x = feat.features(prompt_text, first.outputs[0].logprobs[0])
+        x = feat.features(prompt_text, first.outputs[0].logprobs[0], first.hidden_states)
         gain = float(self.head.gain(x[None])[0])
         go_strong = gain > self.threshold
         held = go_strong and not sla.estimate(
@@ -157,8 +169,23 @@ def head_threshold(head: Head, share: float) -> float:
     return threshold_for_share(gains, share)
 
 
+def share_for_budget(head: Head, budget: float, clock: str = "modeled_gpu") -> float:
+    """The strong share whose expected cost per request is `budget` times always-strong's:
+    (1 - s) weak + s (probe + strong) = budget * strong, clipped to [0, 1]."""
+    if not budget > 0:
+        raise ValueError(f"cost_budget must be a positive fraction of always-strong's cost, "
+                         f"got {budget}")
+    cost = head.metrics.get("cost", {}).get(clock)
+    if cost is None:
+        raise ValueError("this head has no per-model costs (head.metrics['cost']); retrain it "
+                         "with `python -m paged_jax.routing.train` or give strong_share")
+    (weak, strong), probe = (cost[m] for m in head.metrics["models"]), cost["probe"]
+    return float(np.clip((budget * strong - weak) / (strong + probe - weak), 0.0, 1.0))
+
+
 def as_asked(out: RequestOutput, sp: SamplingParams) -> RequestOutput:
-    """The output without the logprobs the router asked for and the caller did not."""
+    """The output without the logprobs and hidden state the router asked for and the caller
+    did not."""
     k = sp.logprobs
     outs = []
     for c in out.outputs:
@@ -168,7 +195,8 @@ def as_asked(out: RequestOutput, sp: SamplingParams) -> RequestOutput:
             c = dataclasses.replace(c, logprobs=[_top(pos, tok, k) for pos, tok in zip(
                 c.logprobs, c.token_ids, strict=True)])
         outs.append(c)
-    return dataclasses.replace(out, outputs=outs)
+    hidden = out.hidden_states if sp.return_hidden_states else None
+    return dataclasses.replace(out, outputs=outs, hidden_states=hidden)
 
 
 def _top(pos: dict, token: int, k: int) -> dict:

@@ -7,7 +7,12 @@
    features (routing/features.py), exactly as the router computes them at serving time;
 3. splits: at random (70 / 30) and by task family (FAMILY_TEST held out entirely);
 4. a head per split (routing/head.py), trained on 80% of its train part and calibrated on
-   the other 20%; the random split's head is the one the router loads.
+   the other 20%; the random split's head is the one the router loads. Its inputs (the
+   named features, all or only the prompt's, and 0-32 principal components of the weak
+   model's hidden state) are chosen among CANDIDATES on the train part alone: by
+   leave-one-family-out, each candidate's heads rank the requests of a family they never
+   saw, and the candidate with the largest mean quality over random routing wins (so the
+   choice is made for questions of a new kind, and never looks at the held-out part).
 
 Writes paged_jax/routing/trained/: `data` (orbax: features, labels, family and difficulty
 per item), `head` (the router's), and `metrics.json` (accuracies, calibration error, costs).
@@ -16,6 +21,7 @@ per item), `head` (the router's), and `metrics.json` (accuracies, calibration er
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -26,6 +32,7 @@ import orbax.checkpoint as ocp
 
 from paged_jax.cost_model import GpuCostModel
 from paged_jax.llm import LLM
+from paged_jax.routing import curves as cv
 from paged_jax.routing import features as feat
 from paged_jax.routing import head as head_lib
 from paged_jax.routing import likelihood as lk
@@ -36,13 +43,17 @@ TRAINED = head_lib.TRAINED
 FAMILY_TEST = ("lookup", "reverse")  # held out by the family split
 MAX_TOKENS = 12
 MODELS = ("smollm2", "gemma3")  # weak, strong
+MEMBERS = 3  # heads averaged per router (head.py)
+# (named feature columns, principal components of the hidden state)
+PROMPT_ONLY = tuple(range(4, len(feat.NAMES)))
+CANDIDATES = tuple((cols, k) for cols in (None, PROMPT_ONLY) for k in (0, 4, 8, 16, 32))
 
 
 def answer(llm: LLM, items: list[Item], probe: bool) -> dict:
     """Greedy answers of one model: correctness [N], output tokens and seconds; with `probe`,
     also the routing features [N, F] from the first position's top logprobs."""
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=["\n"],
-                        logprobs=feat.TOP_K if probe else None)
+                        logprobs=feat.TOP_K if probe else None, return_hidden_states=probe)
     t0 = time.perf_counter()
     outs = llm.generate([it.prompt for it in items], sp, use_tqdm=False)
     seconds = time.perf_counter() - t0
@@ -51,7 +62,7 @@ def answer(llm: LLM, items: list[Item], probe: bool) -> dict:
                tokens=int(sum(len(o.outputs[0].token_ids) for o in outs)), seconds=seconds,
                texts=[o.outputs[0].text for o in outs])
     if probe:
-        res["x"] = np.stack([feat.features(it.prompt, o.outputs[0].logprobs[0])
+        res["x"] = np.stack([feat.features(it.prompt, o.outputs[0].logprobs[0], o.hidden_states)
                              for it, o in zip(items, outs, strict=True)])
     return res
 
@@ -65,20 +76,51 @@ def splits(items: list[Item], seed: int = 0) -> dict[str, tuple[np.ndarray, np.n
             "family": (np.flatnonzero(~fam), np.flatnonzero(fam))}
 
 
-def fit(x: np.ndarray, y: np.ndarray, seed: int = 0) -> head_lib.Head:
-    """A head trained on 80% of (x, y) and calibrated on the rest."""
+def fit(x: np.ndarray, y: np.ndarray, candidate: tuple = (None, 0), seed: int = 0
+        ) -> head_lib.Head:
+    """A head on raw features x (its inputs: `candidate`), trained on 80% of (x, y) and
+    calibrated on the rest."""
+    cols, k = candidate
+    b = len(feat.NAMES)
+    center, comps = head_lib.pca(x[:, b:], k) if k else (np.zeros(0), np.zeros((0, 0)))
     perm = np.random.default_rng(seed).permutation(len(x))
     cut = int(0.8 * len(x))
     fit_idx, cal_idx = perm[:cut], perm[cut:]
-    head = head_lib.train(x[fit_idx], y[fit_idx], names=feat.NAMES, seed=seed)
+    head = head_lib.train(head_lib.inputs(x[fit_idx], b, cols, center, comps), y[fit_idx],
+                          names=feat.NAMES, seed=seed, members=MEMBERS)
+    head = dataclasses.replace(head, columns=cols, center=center, components=comps)
     return head_lib.calibrate(head, x[cal_idx], y[cal_idx])
+
+
+def choose(x: np.ndarray, y: np.ndarray, family: np.ndarray) -> tuple[tuple, dict]:
+    """The candidate whose heads, trained without one family, beat random routing on that
+    family by the most (mean over families and over the interior strong shares); and each
+    candidate's score."""
+    scores = {}
+    for cand in CANDIDATES:
+        adv = []
+        for f in np.unique(family):
+            held = family == f
+            c = cv.curves(y[held], fit(x[~held], y[~held], cand).gain(x[held]))
+            adv.append(np.mean([r["quality"] - q["quality"] for r, q in
+                                zip(c["router"][1:-1], c["random"][1:-1], strict=True)]))
+        scores[candidate_name(cand)] = float(np.mean(adv))
+    best = max(CANDIDATES, key=lambda c: scores[candidate_name(c)])
+    return best, scores
+
+
+def candidate_name(candidate: tuple) -> str:
+    """'all+pca4', 'prompt+pca32': which named features, how many components."""
+    cols, k = candidate
+    return f"{'all' if cols is None else 'prompt'}+pca{k}"
 
 
 def probe_seconds(weak: LLM, n: int) -> float:
     """Seconds per request of the router's probe alone (prefill + one token with its top
     logprobs), on n questions the weak model has not seen (no prefix-cache hits)."""
     items = make_items(n, seed=2)
-    sp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=feat.TOP_K)
+    sp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=feat.TOP_K,
+                        return_hidden_states=True)
     t0 = time.perf_counter()
     weak.generate([it.prompt for it in items], sp, use_tqdm=False)
     return (time.perf_counter() - t0) / n
@@ -125,16 +167,19 @@ def build(weak: LLM, strong: LLM, items: list[Item]) -> dict:
     w, s = answer(weak, items, probe=True), answer(strong, items, probe=False)
     y = np.stack([w["correct"], s["correct"]], 1).astype(np.float32)
     opened = open_labels(weak, strong, items, y)
-    heads = {}
+    heads, fam = {}, np.array([it.family for it in items])
+    cost = costs(weak, strong, w, s, items)
     for name, (tr, te) in splits(items).items():
-        head = fit(w["x"][tr], y[tr])
+        cand, scores = choose(w["x"][tr], y[tr], fam[tr])
+        head = fit(w["x"][tr], y[tr], cand)
         p = head.predict(w["x"][te])
         head.metrics = dict(
-            split=name, train=len(tr), test=len(te),
+            split=name, train=len(tr), test=len(te), inputs=candidate_name(cand), candidates=scores,
+            cost=cost, models=list(MODELS),
             ece=[head_lib.calibration(p[:, j], y[te, j]) for j in range(2)],
             train_gains=sorted(head.gain(w["x"][tr]).round(5).tolist()))
         heads[name] = head
-    return dict(x=w["x"], y=y, heads=heads, cost=costs(weak, strong, w, s, items),
+    return dict(x=w["x"], y=y, heads=heads, cost=cost,
                 texts=(w["texts"], s["texts"]), open=opened,
                 accuracy=dict(zip(MODELS, y.mean(0).tolist(), strict=True)))
 
@@ -150,7 +195,8 @@ def save(data: dict, items: list[Item], folder: Path = TRAINED) -> None:
         ckpt.save(folder / "data", arrays, force=True)
     head_lib.save(data["heads"]["random"], folder / "head")
     metrics = dict(models=MODELS, items=len(items), accuracy=data["accuracy"], cost=data["cost"],
-                   features=feat.NAMES, families=list(FAMILIES),
+                   features=[*feat.NAMES, "hidden state"], families=list(FAMILIES),
+                   inputs={k: h.metrics["inputs"] for k, h in data["heads"].items()},
                    open={k: v for k, v in data["open"].items() if k not in ("index", "scores")},
                    ece={k: h.metrics["ece"] for k, h in data["heads"].items()})
     (folder / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")

@@ -38,6 +38,9 @@ def parser() -> argparse.ArgumentParser:
                     help="the head's folder (default: the shipped SmolLM2 / Gemma 3 head)")
     ap.add_argument("--strong-share", type=float, default=0.5,
                     help='share of "auto" traffic the head would send to the strong model')
+    ap.add_argument("--cost-budget", type=float, default=None,
+                    help="instead of --strong-share: spend at most this fraction of "
+                         "always-strong's cost per request (the head's modeled GPU costs)")
     return ap
 
 
@@ -69,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
 
         names = (name, default_name(a.strong_model))
         router = RoutedLLM(LLM(a.model, **kw), LLM(a.strong_model, **kw), load(a.router_head),
-                           strong_share=a.strong_share, names=names)
+                           strong_share=a.strong_share, names=names,
+                           cost_budget=a.cost_budget)
         app = build_app(router, max_pending=a.max_pending)
         name = f"{names[0]}, {names[1]} and auto"
     print(f"serving {name} on http://{a.host}:{a.port}/v1", flush=True)
