@@ -1,12 +1,12 @@
 """The load-balancing panel of experiments/routing.py: p50 / p99 latency and throughput per
-policy (paged_jax/routing/balance.py) vs arrival rate, over 2 and 4 replicas of the tiny model
+policy (paged_jax/engine/balance.py) vs arrival rate, over 2 and 4 replicas of the tiny model
 (prefix caching on, each pool holding only some of the shared prefixes), on the modeled GPU
 clock (paged_jax/routing/replicas.py)."""
 
 from __future__ import annotations
 
 from experiments.serving import TINY, make_engine, tiny_model, warm_up
-from paged_jax.routing.balance import POLICIES
+from paged_jax.engine.balance import POLICIES
 from paged_jax.routing.replicas import shared_prefix_traffic, simulate
 
 SHAPE = {**TINY, "enable_prefix_caching": True}

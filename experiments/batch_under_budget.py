@@ -4,7 +4,7 @@
 
 ShareGPT-like requests (length scale 0.25) all arrive at t = 0; the KV pool holds `budget`
 blocks of 16 tokens (block 0 reserved). Every policy runs on the same engine, model and
-kernels; only admission differs (paged_jax/reservation.py). Each extra budget is a new pool
+kernels; only admission differs (paged_jax/study/reservation.py). Each extra budget is a new pool
 shape, so it compiles once (cached in .cache/xla afterwards).
 Paper (Sec. 6.2): vLLM batches 2.2x-4.3x more requests than Orca (Oracle/Max) on ShareGPT.
 """
@@ -15,8 +15,8 @@ import argparse
 
 from experiments import serving as sv
 from experiments.common import pyplot, save_json, save_plot, table
-from paged_jax.metrics import throughput
-from paged_jax.workloads import describe, make_workload
+from paged_jax.study.metrics import throughput
+from paged_jax.study.workloads import describe, make_workload
 
 
 def main(requests: int = 48, budgets=(129,), scale: float = 0.25, seed: int = 0,

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from experiments.common import save_json
-from paged_jax.config import CacheConfig
-from paged_jax.page_table import add_sequence, fork, init_page_table, release, reserve_tokens
-from paged_jax.pool import init_pool
+from paged_jax.cache.config import CacheConfig
+from paged_jax.cache.page_table import add_sequence, fork, init_page_table, release, reserve_tokens
+from paged_jax.cache.pool import init_pool
 
 
 def timed(fn, *args, repeats: int = 5) -> float:

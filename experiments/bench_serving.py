@@ -2,7 +2,7 @@
 
     python -m experiments.bench_serving [--url URL] [--rates 1 2 4 inf] [--requests 64]
 
-Requests with ShareGPT-like lengths (paged_jax/workloads.py, scaled to a CPU) arrive as a
+Requests with ShareGPT-like lengths (paged_jax/study/workloads.py, scaled to a CPU) arrive as a
 Poisson process (`--cv` != 1: gamma gaps) at each rate and stream their tokens back from
 /v1/completions. Per rate it prints and saves request throughput, output tok/s, and TTFT /
 TPOT / ITL (mean, p50, p99), and counts every request's fate: done, refused with 503, failed,
@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from experiments.common import pyplot, save_json, save_plot, table
-from paged_jax.workloads import make_workload
+from paged_jax.study.workloads import make_workload
 
 ENGINE_FLAGS = ["--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--max-model-len",
                 "512", "--no-enable-prefix-caching"]

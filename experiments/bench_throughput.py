@@ -43,12 +43,12 @@ import numpy as np
 from experiments import common, hf
 from experiments.peers import prompt_ids
 from paged_jax import LLM, SamplingParams
-from paged_jax import step as step_lib
-from paged_jax import window as window_lib
-from paged_jax.metrics import kv_bytes_per_token, measure_bandwidth, weight_bytes
+from paged_jax.engine import step as step_lib
+from paged_jax.engine import window as window_lib
 from paged_jax.models import load_model
 from paged_jax.models.llama import prepare_params
-from paged_jax.workloads import make_workload
+from paged_jax.study.metrics import kv_bytes_per_token, measure_bandwidth, weight_bytes
+from paged_jax.study.workloads import make_workload
 
 FRESH = """
 import time; t0 = time.perf_counter()
@@ -96,13 +96,13 @@ def chain_seconds(params, batch: int, repeats: int = 10, compute=None) -> float:
 def ours(llm: LLM, prompts: list[list[int]], tokens: int) -> dict:
     """One generate() call: seconds, engine host share, programs compiled, first 16 tokens."""
     eng, before = llm.llm_engine, compiled()
-    eng.stats.clear()
+    eng.recorder = steps = []
     sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     seconds = time.perf_counter() - t0
-    busy = sum(s.duration for s in eng.stats)
-    device = sum(s.device for s in eng.stats)
+    busy = sum(s.duration for s in steps)
+    device = sum(s.device for s in steps)
     return dict(seconds=seconds, host_share=1 - device / busy, compiled=compiled() - before,
                 first16=[o.outputs[0].token_ids[:16] for o in outs])
 

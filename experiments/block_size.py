@@ -18,8 +18,8 @@ import jax
 
 from experiments import serving as sv
 from experiments.common import pyplot, save_json, save_plot, table
-from paged_jax.metrics import breakdown, latency_summary, throughput
-from paged_jax.workloads import make_workload
+from paged_jax.study.metrics import breakdown, latency_summary, throughput
+from paged_jax.study.workloads import make_workload
 
 POOL_TOKENS = 2048
 SCALE = {"sharegpt": 0.25, "alpaca": 1.0}

@@ -108,13 +108,14 @@ def random_model(model: dict, dtype="bfloat16", seed: int = 0):
 def engine_for(config, params, engine: dict, policy: str, backend: str | None = None):
     """An Engine without a tokenizer (token-id prompts, detokenize=False)."""
     from paged_jax.engine import Engine, EngineConfig
+    from paged_jax.study.reservation import policy_for
 
-    return Engine(config, params, None, EngineConfig(**engine, reservation=policy,
-                                                     backend=backend))
+    ec = EngineConfig(**engine, backend=backend)
+    return Engine(config, params, None, ec, policy=policy_for(policy, ec))
 
 
 def workload_items(plan: Plan):
-    from paged_jax.workloads import make_workload
+    from paged_jax.study.workloads import make_workload
 
     w = plan.workload
     return make_workload(w["dataset"], w["requests"], float("inf"), None, w["seed"], w["scale"],
@@ -130,13 +131,14 @@ def serve(eng, items, deadline: float) -> dict:
                         SamplingParams(temperature=0.0, max_tokens=w.output_len,
                                        ignore_eos=True, detokenize=False))
     t0, tokens, done = time.perf_counter(), 0, 0
+    eng.recorder = steps = []
     while eng.has_unfinished() and time.perf_counter() < deadline:
         for out in eng.step():
             if out.finished:
                 done += 1
                 tokens += sum(len(c.token_ids) for c in out.outputs)
     wall = time.perf_counter() - t0
-    busy = [(s.duration, s.running) for s in eng.stats if s.num_steps]
+    busy = [(s.duration, s.running) for s in steps if s.num_steps]
     total = sum(d for d, _ in busy)
     return dict(finished=done, requests=len(items), output_tokens=tokens, wall_s=wall,
                 output_tokens_per_s=tokens / wall if wall else 0.0,
@@ -146,26 +148,27 @@ def serve(eng, items, deadline: float) -> dict:
 
 def decode_roofline(config, params, plan: Plan, bandwidth: float, deadline: float) -> dict:
     """Decode step time at batch B and context C vs (weight + K/V bytes) / copy bandwidth."""
-    from paged_jax.metrics import kv_bytes_per_token, weight_bytes
     from paged_jax.sampling_params import SamplingParams
+    from paged_jax.study.metrics import kv_bytes_per_token, weight_bytes
 
     d = plan.decode
     sp = SamplingParams(temperature=0.0, max_tokens=d["tokens"], ignore_eos=True,
                         detokenize=False)
     for _ in range(2):  # the first pass compiles every program the second one runs
         eng = engine_for(config, params, plan.engine, "paged")
+        eng.recorder = steps = []
         for i in range(d["batch"]):
             ids = [1 + (i + j) % 250 for j in range(d["prompt"])]
             eng.add_request(f"d{i}", {"prompt_token_ids": ids}, sp)
         while eng.has_unfinished() and time.perf_counter() < deadline:
             eng.step()
-    full = [s for s in eng.stats if s.kind == "window" and s.running == d["batch"]]
+    full = [s for s in steps if s.kind == "window" and s.running == d["batch"]]
     if not full or eng.has_unfinished():
         return dict(error="the measured pass did not finish before the deadline")
     step = sum(s.duration for s in full) / sum(s.num_steps for s in full)
     ctx = d["prompt"] + d["tokens"] / 2
     moved = weight_bytes(params) + d["batch"] * ctx * kv_bytes_per_token(
-        config, eng.kv.cache.dtype)
+        config, eng.state.cache.dtype)
     return dict(batch=d["batch"], context=ctx, step_ms=step * 1e3,
                 roofline_ms=moved / bandwidth * 1e3, ratio=step * bandwidth / moved)
 
@@ -173,7 +176,7 @@ def decode_roofline(config, params, plan: Plan, bandwidth: float, deadline: floa
 def run_engine(plan: Plan, bandwidth: float, budget_s: float, backend: str | None = None
                ) -> dict:
     """Section 2: every policy on the same workload and pool, then the decode roofline."""
-    from paged_jax.workloads import describe
+    from paged_jax.study.workloads import describe
 
     t0 = time.perf_counter()
     config, params = random_model(plan.model)

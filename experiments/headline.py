@@ -4,7 +4,7 @@
 
 1. KV memory breakdown (paper Fig. 2) on a ShareGPT-like burst, tiny model.
 2. One latency-vs-rate panel (paper Fig. 12), ShareGPT-like, tiny model, on the modeled
-   A100 clock (paged_jax/cost_model.py: the engine runs for real, time is a roofline model).
+   A100 clock (paged_jax/study/cost_model.py: the engine runs for real, time is a roofline model).
 3. paged-jax vs Hugging Face transformers on SmolLM2-135M (small batch, fp32).
 Each writes results/<name>.json and .png; a summary table is printed at the end.
 """

@@ -27,12 +27,12 @@ import numpy as np
 from experiments.common import pyplot, save_json, save_plot, table
 from experiments.peers import chat_ids
 from paged_jax import LLM, SamplingParams
-from paged_jax.config import CacheConfig
-from paged_jax.kv_cache import gather_sequence, kv_cache_bytes
-from paged_jax.kv_quant import measure_granularity, storage_dtype
+from paged_jax.cache.config import CacheConfig
+from paged_jax.cache.kv_cache import gather_sequence, kv_cache_bytes
+from paged_jax.cache.kv_quant import measure_granularity, storage_dtype
 from paged_jax.models import load_model
-from paged_jax.models.runner import Runner
-from paged_jax.workloads import TEXT
+from paged_jax.models.reference_loop import PagedLoop
+from paged_jax.study.workloads import TEXT
 
 BLOCK = 16
 DTYPES = ("float32", "bfloat16", "int8", "fp8")
@@ -50,8 +50,9 @@ def memory(parts, budget: int, requests: int, prompt: int, out: int) -> list[dic
     rows = []
     for name in DTYPES:
         llm = LLM(model_parts=parts, kv_cache_memory=budget, kv_cache_dtype=name, **SHAPE)
+        llm.llm_engine.recorder = steps = []
         llm.generate([{"prompt_token_ids": x} for x in ids], sp, use_tqdm=False)
-        run = [s.running for s in llm.llm_engine.stats if s.num_steps]
+        run = [s.running for s in steps if s.num_steps]
         rows.append(dict(dtype=name, blocks=llm.engine_config.num_kv_blocks - 1,
                          bytes_per_block=kv_cache_bytes(config.num_layers, config.num_kv_heads,
                                                         BLOCK, config.head_dim,
@@ -97,7 +98,7 @@ def _forced(parts, name, prompts, outs) -> list[np.ndarray]:
     res = []
     for p, o in zip(prompts, outs, strict=True):
         n = len(p) + len(o)
-        r = Runner(config, params, CacheConfig(-(-n // BLOCK) + 2, BLOCK, 1, -(-n // BLOCK) + 1),
+        r = PagedLoop(config, params, CacheConfig(-(-n // BLOCK) + 2, BLOCK, 1, -(-n // BLOCK) + 1),
                    backend="reference", kv_dtype=name)
         steps = [r.step([p])[0]] + [r.step([[t]])[0] for t in o[:-1]]
         res.append(np.stack(steps))
@@ -111,7 +112,7 @@ def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
 
 
 def _perplexity(config, params, name, ids, chunk) -> float:
-    r = Runner(config, params, CacheConfig(-(-len(ids) // BLOCK) + 2, BLOCK, 1,
+    r = PagedLoop(config, params, CacheConfig(-(-len(ids) // BLOCK) + 2, BLOCK, 1,
                                            -(-len(ids) // BLOCK) + 1),
                backend="reference", kv_dtype=name)
     nll = []
@@ -138,7 +139,7 @@ def speed(llms: dict, tok, batch: int, tokens: int, repeats: int = 3) -> list[di
             t0 = time.perf_counter()
             llm.generate([{"prompt_token_ids": p} for p in ids[:batch]], sp, use_tqdm=False)
             runs[name].append(batch * tokens / (time.perf_counter() - t0))
-    return [dict(dtype=name, backend=llm.llm_engine.step_cfg.backend,
+    return [dict(dtype=name, backend=llm.llm_engine.runner.cfg.backend,
                  tok_s=float(np.median(runs[name])), runs=[round(x, 1) for x in runs[name]])
             for name, llm in llms.items()]
 
@@ -148,7 +149,7 @@ def granularity(parts, tokens: int = 256) -> list[dict]:
     the sequence's own keys as queries (a proxy: the runner does not expose queries)."""
     config, params, tok = parts
     ids = (tok.encode(TEXT) * 8)[:tokens]
-    runner = Runner(config, params, CacheConfig(tokens // BLOCK + 2, BLOCK, 1,
+    runner = PagedLoop(config, params, CacheConfig(tokens // BLOCK + 2, BLOCK, 1,
                                                 tokens // BLOCK + 1))
     runner.step([ids])
     per_layer = []

@@ -8,7 +8,7 @@ Every panel first serves its workload all at once under paging to find paging's 
 virtual clock of experiments/serving.py. Panels:
   * tiny model, ShareGPT-like (lengths x0.25) and Alpaca-like, MODELED clock: the engine runs
     every step for real, and the clock advances by the step's roofline time for the paper's
-    OPT-13B on an A100 (paged_jax/cost_model.py). This is the Fig. 12 reproduction: the
+    OPT-13B on an A100 (paged_jax/study/cost_model.py). This is the Fig. 12 reproduction: the
     memory policy sets the batch, and the batch sets throughput, as on the paper's GPU.
   * tiny model, ShareGPT-like, MEASURED clock (CPU wall time of each step).
   * SmolLM2-135M, Alpaca-like, measured clock, paged vs orca-max (a few requests).
@@ -25,9 +25,9 @@ import dataclasses
 
 from experiments import serving as sv
 from experiments.common import pyplot, save_json, save_plot, table
-from paged_jax.cost_model import GpuCostModel
-from paged_jax.metrics import latency_summary, throughput
-from paged_jax.workloads import describe, make_workload
+from paged_jax.study.cost_model import GpuCostModel
+from paged_jax.study.metrics import latency_summary, throughput
+from paged_jax.study.workloads import describe, make_workload
 
 LIMIT = 2.0
 BASE_SCALE = {"sharegpt": 0.25, "alpaca": 1.0}

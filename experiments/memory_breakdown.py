@@ -5,7 +5,7 @@
 A ShareGPT-like workload (all requests at t = 0, so memory is the bottleneck) is served on
 the tiny random model by each reservation policy in the same engine. At every step the KV
 token positions in use are split into token states / reserved for future tokens / internal /
-external fragmentation (definitions in paged_jax/metrics.py), time-averaged over the run.
+external fragmentation (definitions in paged_jax/study/metrics.py), time-averaged over the run.
 Paper (13B model, A100, ShareGPT): vLLM 96.3% token states; Orca 20.4% (Max), 26.8% (Pow2),
 38.2% (Oracle).
 """
@@ -16,8 +16,8 @@ import argparse
 
 from experiments import serving as sv
 from experiments.common import pyplot, save_json, save_plot, table
-from paged_jax.metrics import CATEGORIES, breakdown, latency_summary, throughput
-from paged_jax.workloads import describe, make_workload
+from paged_jax.study.metrics import CATEGORIES, breakdown, latency_summary, throughput
+from paged_jax.study.workloads import describe, make_workload
 
 PAPER = {"paged": 0.963, "orca-oracle": 0.382, "orca-pow2": 0.268, "orca-max": 0.204}
 POLICIES = ("paged", "orca-oracle", "orca-pow2", "orca-max")

@@ -25,8 +25,8 @@ from experiments import common, hf
 from experiments import serving as sv
 from experiments.common import pyplot, save_json, save_plot, table
 from paged_jax.llm import LLM
-from paged_jax.metrics import machine_bandwidth, roofline
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.study.metrics import machine_bandwidth, roofline
 
 TOPICS = ("the ocean", "bread", "the moon", "trains", "music", "gardens", "rain", "chess",
           "bees", "libraries", "mountains", "coffee", "rivers", "bicycles", "stars", "winter")
@@ -60,14 +60,14 @@ def run_paged(dtype: str, prompts: list[list[int]], tokens: int, batch: int,
     llm.generate([{"prompt_token_ids": p} for p in prompts[:batch]],
                  SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     eng = llm.llm_engine
-    eng.stats.clear()
+    eng.recorder = steps = []
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     dt = time.perf_counter() - t0
     # KV read per step ~ running requests x their mean context (prompt + half the output).
     ctx = sum(len(p) for p in prompts) / len(prompts) + tokens / 2
-    snaps = [dict(token_states=int(st.running * ctx)) for st in eng.stats]
-    roof = roofline(eng.stats, snaps, parts[1], parts[0], machine_bandwidth(common.RESULTS))
+    snaps = [dict(token_states=int(st.running * ctx)) for st in steps]
+    roof = roofline(steps, snaps, parts[1], parts[0], machine_bandwidth(common.RESULTS))
     return dict(seconds=dt, tokens=[o.outputs[0].token_ids for o in outs], roofline=roof)
 
 

@@ -18,9 +18,9 @@ import argparse
 from experiments import serving as sv
 from experiments.common import pyplot, save_json, save_plot, table
 from paged_jax.llm import LLM
-from paged_jax.metrics import throughput
 from paged_jax.sampling_params import BeamSearchParams
-from paged_jax.workloads import describe, make_workload
+from paged_jax.study.metrics import throughput
+from paged_jax.study.workloads import describe, make_workload
 
 PAPER = {"parallel": "6.1-9.8%", "beam": "37.6-55.2%"}
 

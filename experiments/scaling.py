@@ -29,7 +29,7 @@ import numpy as np
 
 from experiments.common import pyplot, save_json, save_plot, table
 from paged_jax import LLM, SamplingParams
-from paged_jax.cost_model import TensorParallelRoofline
+from paged_jax.study.cost_model import TensorParallelRoofline
 
 FAKE_DEVICES = 3
 VLLM_PUBLISHED = ("vLLM publishes no tensor-parallel sweep of an 8B model that we found: its "
@@ -46,11 +46,12 @@ def measured(tp: int, kv_memory: int, quick: bool) -> dict:
     """One TP degree on SmolLM2: pool share per device, capacity, tokens, throughput."""
     kw = dict(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=512)
     llm = LLM(tensor_parallel_size=tp, kv_cache_memory=kv_memory, **kw)
-    k0 = llm.llm_engine.kv.cache.k[0]
+    k0 = llm.llm_engine.state.cache.k[0]
     per_device = [s.data.nbytes for s in k0.addressable_shards]
     sp = SamplingParams(temperature=0.0, max_tokens=24 if quick else 48, ignore_eos=True)
+    llm.llm_engine.recorder = steps = []
     outs = llm.generate(prompts(16 if quick else 32, 60), sp, use_tqdm=False)
-    running = [s.running for s in llm.llm_engine.stats if s.kind != "idle"]
+    running = [s.running for s in steps if s.kind not in ("idle", "ops")]
     fast = LLM(tensor_parallel_size=tp, kv_cache_memory=kv_memory * 4,
                enable_prefix_caching=False, **kw)
     batch, dsp = prompts(16, 12), SamplingParams(temperature=0.0, max_tokens=32 if quick

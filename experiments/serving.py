@@ -5,7 +5,7 @@ duration, and when nothing runs it jumps to the next arrival. So latencies are r
 times, but a 2-core CPU does not sit idle waiting for requests (equivalent to real time with
 instant idle periods). Requests join between steps, as in a real server loop. With
 `cost=GpuCostModel()` the clock advances instead by the step's modeled time on the paper's
-GPU (paged_jax/cost_model.py); the engine still runs every step for real.
+GPU (paged_jax/study/cost_model.py); the engine still runs every step for real.
 
 Compilation. The first steps of a configuration compile (seconds on CPU); `warm_up` runs a
 short mixed workload first so no measured step compiles, and the persistent XLA cache
@@ -18,12 +18,13 @@ import dataclasses
 import functools
 import time
 
-from paged_jax.cost_model import GpuCostModel
 from paged_jax.engine import Engine, EngineConfig
-from paged_jax.metrics import Timing, kv_snapshot
 from paged_jax.models.testing import byte_tokenizer, random_params, tiny_config
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.workloads import WorkItem, text_prompt
+from paged_jax.study.cost_model import GpuCostModel
+from paged_jax.study.metrics import Timing, kv_snapshot
+from paged_jax.study.reservation import policy_for
+from paged_jax.study.workloads import WorkItem, text_prompt
 
 POLICIES = ("paged", "orca-oracle", "orca-pow2", "orca-max", "static")
 # One engine shape for the tiny-model experiments (compiled once, reused everywhere).
@@ -52,8 +53,10 @@ def real_model(dtype: str = "float32", name: str = "smollm2"):
     return load_model(name, {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype])
 
 
-def make_engine(parts, **config) -> Engine:
-    return Engine(*parts, EngineConfig(**config))
+def make_engine(parts, reservation: str = "paged", **config) -> Engine:
+    """An engine on `parts` admitting under a reservation policy (study/reservation.py)."""
+    ec = EngineConfig(**config)
+    return Engine(*parts, ec, policy=policy_for(reservation, ec))
 
 
 @dataclasses.dataclass
@@ -101,6 +104,8 @@ def serve(engine: Engine, items: list[WorkItem], params=None, on_step=None,
       cost: advance the clock by this model's modeled step time instead of the measured one.
     """
     pending = sorted(items, key=lambda w: w.arrival)
+    if engine.recorder is None:  # kept across calls on one engine (multi-turn runs)
+        engine.recorder = []
     timings = {w.request_id: Timing(w.arrival) for w in items}
     snaps, outputs, clock, i = [], {}, pending[0].arrival if pending else 0.0, 0
     while i < len(pending) or engine.has_unfinished():
@@ -125,7 +130,7 @@ def serve(engine: Engine, items: list[WorkItem], params=None, on_step=None,
         if on_step:
             on_step()
     span = clock - (pending[0].arrival if pending else 0.0)
-    return Run(list(timings.values()), snaps, list(engine.stats), span, outputs)
+    return Run(list(timings.values()), snaps, list(engine.recorder), span, outputs)
 
 
 def _record(t: Timing, out, clock: float) -> None:
@@ -153,7 +158,7 @@ def roof(run: Run, parts) -> dict:
     """The roofline line of a run: achieved GB/s (weights + cached K/V read per step) and its
     share of the machine's measured copy bandwidth (results/bandwidth.json)."""
     from experiments import common
-    from paged_jax.metrics import machine_bandwidth, roofline
+    from paged_jax.study.metrics import machine_bandwidth, roofline
 
     r = roofline(run.stats, run.snapshots, parts[1], parts[0],
                  machine_bandwidth(common.RESULTS))

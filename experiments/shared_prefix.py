@@ -24,8 +24,8 @@ import numpy as np
 
 from experiments import serving as sv
 from experiments.common import pyplot, save_json, save_plot, table
-from paged_jax.metrics import latency_summary, throughput
-from paged_jax.workloads import TEXT, WorkItem
+from paged_jax.study.metrics import latency_summary, throughput
+from paged_jax.study.workloads import TEXT, WorkItem
 
 PAPER_SPEEDUP = {"1-shot": 1.67, "5-shot": 3.58}  # vLLM vs Orca (Oracle), Fig. 16
 PREFIX_TOKENS = {"1-shot": 80, "5-shot": 341}  # the paper's prefix lengths

@@ -1,6 +1,6 @@
 """Pallas (Triton) paged-attention kernels: a lab of variants, each file with a jnp reference
 and a `__main__` checker/timer. The engine calls only `kernels.dispatch.paged_attention`
-(through `paged_jax.attention.paged_attention(..., backend="pallas")`).
+(through `paged_jax.models.attention.paged_attention(..., backend="pallas")`).
 
     pages.py                   what a kernel reads: pages as stored (float, int8 / fp8 + scales)
     paged_attention.py         decode: grouped | dot | split (flash-decoding)

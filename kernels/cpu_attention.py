@@ -9,7 +9,7 @@
                                                                  bf16, or int8 / fp8 with
                                                                  group scales
 
-Same contract as `paged_jax.attention.paged_attention` (ragged rows, causal, zeros for
+Same contract as `paged_jax.models.attention.paged_attention` (ragged rows, causal, zeros for
 padding tokens). The shared library is compiled on first use with the machine's g++ (flags
 below, `-march=native`) into a folder of the caller's choosing, keyed by a hash of the source,
 the flags, the JAX version and the CPU, so a rebuilt JAX or another CPU gets its own build.
@@ -108,7 +108,7 @@ def load(folder: str) -> bool:
 
 def paged_attention(q, k_pages: PagesLike, v_pages: PagesLike, block_tables, seq_lens,
                     query_start, *, scale: float, window: int | None = None):
-    """The kernel on one layer (call `load` first); shapes as in paged_jax.attention. Pages
+    """The kernel on one layer (call `load` first); shapes as in paged_jax.models.attention. Pages
     are read as stored (kernels/pages.py): float32 / bfloat16, or int8 / fp8 with group
     scales, bfloat16 and fp8 possibly as their bits; never cast or copied here. `window`: a
     query sees only its last `window` keys (sliding-window layers); pages before every

@@ -54,7 +54,7 @@ def paged_attention(
     scale: float,
     window: int | None = None,
 ) -> Float[Array, "T Q D"]:
-    """Same contract as `paged_jax.attention.paged_attention` (backend "pallas")."""
+    """Same contract as `paged_jax.models.attention.paged_attention` (backend "pallas")."""
     if max_q > 1:
         return ragged_paged_attention(
             q, k_pages, v_pages, block_tables, seq_lens, query_start,

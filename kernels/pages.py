@@ -9,7 +9,7 @@
 
 Why the bits: XLA:CPU scatters into a bfloat16 / fp8 array by converting the whole array to
 float32 and back (7-10 ms per layer-sized write, against 0.02 ms into an integer array of the
-same width), so the engine's pool keeps those pages as uint16 / uint8 (paged_jax/kv_quant.py).
+same width), so the engine's pool keeps those pages as uint16 / uint8 (paged_jax/cache/kv_quant.py).
 And XLA:CPU also copies for a bitcast of a whole array, so no kernel takes a viewed pool: each
 one views what it has gathered or loaded (`view`), the C++ kernel reads the bits directly.
 """

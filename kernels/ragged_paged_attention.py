@@ -142,9 +142,9 @@ def ragged_paged_attention(
     num_warps: int = 4,
     window: int | None = None,
 ) -> Float[Array, "T Q D"]:
-    """Causal attention of a ragged batch over the paged cache (see paged_jax.attention).
+    """Causal attention of a ragged batch over the paged cache (see paged_jax.models.attention).
 
-    Args: as `paged_jax.attention.paged_attention` (`window` included), plus `variant`
+    Args: as `paged_jax.models.attention.paged_attention` (`window` included), plus `variant`
     ("grouped" | "dot").
 
     Returns:

@@ -1,5 +1,5 @@
 """jnp references for paged attention: the oracle every kernel is tested against, and the
-library's portable backend ("reference" in paged_jax/attention.py).
+library's portable backend ("reference" in paged_jax/models/attention.py).
 
 Semantics (shared by every kernel in this folder): a step's queries are a ragged batch, a flat
 run of T tokens in which sequence s owns ``q[query_start[s]:query_start[s+1]]``, the *last*

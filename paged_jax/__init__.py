@@ -1,10 +1,9 @@
 """paged-jax: vLLM's PagedAttention as pure-functional JAX pytrees and Pallas kernels."""
 
 from paged_jax import compile_cache
-from paged_jax.config import CacheConfig
-from paged_jax.kv_cache import KVCache, copy_blocks, init_kv_cache, write
-from paged_jax.outputs import CompletionOutput, RequestOutput
-from paged_jax.page_table import (
+from paged_jax.cache.config import CacheConfig
+from paged_jax.cache.kv_cache import KVCache, copy_blocks, init_kv_cache, write
+from paged_jax.cache.page_table import (
     PageTable,
     add_sequence,
     cache_positions,
@@ -13,7 +12,8 @@ from paged_jax.page_table import (
     release,
     reserve_tokens,
 )
-from paged_jax.pool import BlockPool, allocate, decref, incref, init_pool
+from paged_jax.cache.pool import BlockPool, allocate, decref, incref, init_pool
+from paged_jax.outputs import CompletionOutput, RequestOutput
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 
 compile_cache.enable()  # importing compiles nothing; the first step will find the cache

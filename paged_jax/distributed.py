@@ -1,14 +1,14 @@
 """One engine over several processes: `jax.distributed` joins them, and the tensor-parallel
-mesh (paged_jax/parallel.py) spans every process's devices.
+mesh (paged_jax/models/parallel.py) spans every process's devices.
 
     python -m paged_jax.distributed --coordinator 127.0.0.1:PORT --num-processes 2 \\
-        --process-id I [--model tiny | PATH] [--out tokens.json]
+        --process-id I [--model NAME_OR_PATH] [--prompt TEXT ...] [--out tokens.json]
 
 Every process runs the same host program (multi-controller JAX): the same requests, the same
 scheduler decisions (they are deterministic), the same jitted steps; XLA's collectives (gloo
 on CPU) carry the all-reduces between processes. Outputs are replicated, so each process
-reads them locally; process 0 writes them. Swap preemption reads blocks to the host and
-needs every shard local, so it is refused here (recompute preemption works).
+reads them locally; process 0 prints them and writes --out. Swap preemption reads blocks to
+the host and needs every shard local, so it is refused here (recompute preemption works).
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from pathlib import Path
 
 import jax
 
+from paged_jax.llm import LLM
+from paged_jax.sampling_params import SamplingParams
+
 
 def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
     """Joins this process to the others (CPU: gloo collectives between processes)."""
@@ -28,41 +31,42 @@ def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
                                process_id=process_id)
 
 
-PROMPTS = ["the first request", "a second, longer request with more words in it",
-           "three", "and a fourth one that runs a little longer than the others do"]
-
-
-def tiny_llm(tensor_parallel_size: int):
-    """The tests' tiny random model (seeded: the same weights in every process)."""
-    from paged_jax import LLM
-    from paged_jax.models.testing import byte_tokenizer, random_params, tiny_config
-
-    cfg = tiny_config()
-    return LLM(model_parts=(cfg, random_params(cfg), byte_tokenizer()), block_size=8,
-               num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
-               tensor_parallel_size=tensor_parallel_size)
-
-
-def greedy_tokens(llm, max_tokens: int = 16) -> list[list[int]]:
-    from paged_jax import SamplingParams
-
+def greedy_tokens(llm: LLM, prompts: list[str], max_tokens: int = 16) -> list[list[int]]:
+    """Each prompt's greedy tokens (exactly max_tokens: EOS ignored)."""
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
 
 
-def main(argv: list[str] | None = None) -> None:
+def write_result(path: Path | None, tokens: list[list[int]]) -> None:
+    """Process 0 records what the mesh computed (devices, processes, tokens)."""
+    if jax.process_index() == 0 and path is not None:
+        path.write_text(json.dumps(dict(devices=jax.device_count(),
+                                        processes=jax.process_count(), tokens=tokens)))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--coordinator", required=True, help="host:port of process 0")
     ap.add_argument("--num-processes", type=int, required=True)
     ap.add_argument("--process-id", type=int, required=True)
+    ap.add_argument("--model", default=None, help="short name, .gguf or HF folder (default: "
+                    "SmolLM2-135M-Instruct)")
+    ap.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
+    ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--out", type=Path, default=None, help="process 0 writes tokens here")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
     initialize(a.coordinator, a.num_processes, a.process_id)
-    n = jax.device_count()
-    tokens = greedy_tokens(tiny_llm(n))
-    if a.process_id == 0 and a.out is not None:
-        a.out.write_text(json.dumps(dict(devices=n, processes=jax.process_count(),
-                                         tokens=tokens)))
+    llm = LLM(a.model, tensor_parallel_size=jax.device_count())
+    prompts = a.prompt or ["The capital of France is"]
+    tokens = greedy_tokens(llm, prompts, a.max_tokens)
+    if jax.process_index() == 0:
+        for p, t in zip(prompts, tokens, strict=True):
+            print(f"{p!r} -> {llm.get_tokenizer().decode(t)!r}")
+    write_result(a.out, tokens)
     jax.distributed.shutdown()
 
 

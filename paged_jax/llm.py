@@ -17,12 +17,13 @@ import jax.numpy as jnp
 from tqdm.auto import tqdm
 from tqdm.std import tqdm as std_tqdm
 
-from paged_jax import kv_quant, parallel
-from paged_jax.beam_search import beam_search
+from paged_jax.cache import kv_quant
+from paged_jax.cache.kv_cache import kv_cache_bytes
 from paged_jax.engine import Engine, EngineConfig
-from paged_jax.engine_input import prompt_ids
-from paged_jax.kv_cache import kv_cache_bytes
-from paged_jax.models import Tokenizer, load_model
+from paged_jax.engine.balance import Balancer
+from paged_jax.engine.beam_search import beam_search
+from paged_jax.engine.input import prompt_ids
+from paged_jax.models import Tokenizer, load_model, parallel
 from paged_jax.models.tokenizer import tokenizer_from_folder
 from paged_jax.outputs import BeamSearchOutput, RequestOutput
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
@@ -121,11 +122,11 @@ class LLM:
         "fp8_e5m2": int8 / fp8 hold 3.56x the blocks of float32 in the same memory (a
         float32 scale per 32 values included); every attention backend reads them.
       tensor_parallel_size: devices to split the model and its KV pool over (a 1-D mesh;
-        paged_jax/parallel.py); kv_cache_memory is then each device's share, so the pool
+        paged_jax/models/parallel.py); kv_cache_memory is then each device's share, so the pool
         holds N times the blocks (KV heads replicated when N exceeds them: fewer).
       data_parallel_size: replicas of the engine, each with its own pool (and its own
         tensor_parallel_size devices); `generate` sends each request to the replica with
-        the fewest outstanding tokens (routing.balance.Balancer) and steps them all.
+        the fewest outstanding tokens (engine/balance.py's Balancer) and steps them all.
       model_parts: (config, params, tokenizer) to use instead of loading `model`.
     """
 
@@ -142,6 +143,12 @@ class LLM:
     ):
         if unsupported:
             raise TypeError(f"LLM() got unsupported arguments: {sorted(unsupported)}")
+        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("decode_window", decode_window),
+                            ("tensor_parallel_size", tensor_parallel_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         dtype = resolve_dtype(dtype)
         kv_dtype = kv_quant.storage_dtype(kv_cache_dtype, DTYPES[dtype])  # fails before loading
         t0 = time.perf_counter()
@@ -175,8 +182,6 @@ class LLM:
         self.llm_engine = self.replicas[0]
         self.balancer = None
         if data_parallel_size > 1:
-            from paged_jax.routing.balance import Balancer  # routing sits above LLM
-
             self.balancer = Balancer(self.replicas, "least_tokens")
         self._counter = 0
 

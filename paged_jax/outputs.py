@@ -95,6 +95,8 @@ class RequestOutput:
       model: which model served it, when a router chose (paged_jax.routing); else None.
       hidden_states: with SamplingParams.return_hidden_states, the prompt's last-token hidden
         state (numpy [hidden_size] fp32), once its prefill is done; else None.
+      num_preemptions: times the request was preempted (its blocks freed, then recomputed or
+        swapped back in); vLLM reports it per request too.
     """
 
     request_id: str
@@ -107,6 +109,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     model: str | None = None
     hidden_states: np.ndarray | None = None
+    num_preemptions: int = 0
 
 
 @dataclasses.dataclass

@@ -16,9 +16,15 @@ pool (block * K + offset) is its *cache position*, the values of `cache_position
 Shapes are written in annotations as strings, e.g. ``Int[Array, "S P"]``.
 """
 
-from jaxtyping import Array, Bool, Float, Int, Shaped
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int, Shaped, UInt
 
-__all__ = ["Array", "Bool", "Float", "Int", "Shaped"]
+HostArray = Array | np.ndarray
+"""Fields of what the host sends into a jitted call (a step's batch, its ops): built as numpy
+and passed as they are, since jit copies numpy arguments several times faster than
+`jax.device_put` does; inside the call they are traced jax arrays."""
+
+__all__ = ["Array", "Bool", "Float", "HostArray", "Int", "Shaped", "UInt"]
 
 NULL_BLOCK = 0
 """Block 0 is the zero block: never allocated or freed; padding table entries point at it."""

@@ -3,9 +3,9 @@
 import jax
 import jax.numpy as jnp
 
-from paged_jax.config import CacheConfig
-from paged_jax.kv_cache import copy_blocks, write
-from paged_jax.page_table import cache_positions, reserve_tokens
+from paged_jax.cache.config import CacheConfig
+from paged_jax.cache.kv_cache import copy_blocks, write
+from paged_jax.cache.page_table import cache_positions, reserve_tokens
 
 
 def make_append(cfg: CacheConfig, max_new: int, v_sign: float = -1.0):

@@ -21,8 +21,9 @@ from jaxtyping import install_import_hook  # noqa: E402
 # Device-side modules only: the user-facing API (SamplingParams, LLM) raises its own ValueErrors
 # naming the bad field, which a type checker in front of it would pre-empt.
 CHECKED = [
-    "paged_jax.pool", "paged_jax.page_table", "paged_jax.kv_cache", "paged_jax.attention",
-    "paged_jax.sampling", "paged_jax.sampling_state", "paged_jax.models", "paged_jax.step",
+    "paged_jax.cache.pool", "paged_jax.cache.page_table", "paged_jax.cache.kv_cache",
+    "paged_jax.models", "paged_jax.sample", "paged_jax.engine.step", "paged_jax.engine.window",
+    "paged_jax.engine.settle", "paged_jax.engine.state",
     "kernels",
 ]
 install_import_hook(CHECKED, "beartype.beartype")

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import functools
+import os
 
+from paged_jax.cache.invariants import check_invariants
 from paged_jax.engine import Engine, EngineConfig
-from paged_jax.invariants import check_invariants
 from paged_jax.models.testing import byte_tokenizer, random_params, tiny_config
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.study.reservation import policy_for
+
+CHECK = os.environ.get("PAGED_JAX_CHECK", "1") == "1"  # KVManager.check after every step
 
 BASE = dict(block_size=8, num_kv_blocks=160, max_num_seqs=8, max_num_batched_tokens=64,
             max_model_len=256, decode_window=8, max_logprobs=4)
@@ -19,9 +23,16 @@ def model():
     return c, random_params(c), byte_tokenizer()
 
 
-def engine(parts=None, **overrides) -> Engine:
-    """An engine with BASE's config (and `overrides`) on `parts` (default: the tiny Llama)."""
-    return Engine(*(parts or model()), EngineConfig(**{**BASE, **overrides}))
+def engine(parts=None, policy=None, check: bool = CHECK, **overrides) -> Engine:
+    """An engine with BASE's config (and `overrides`) on `parts` (default: the tiny Llama).
+
+    It checks its KV manager's host mirror against the device after every step (Engine's
+    `check`), and runs under `policy` (default: on-demand paging; a name from
+    study/reservation.py's POLICIES picks a baseline)."""
+    ec = EngineConfig(**{**BASE, **overrides})
+    if isinstance(policy, str):
+        policy = policy_for(policy, ec)
+    return Engine(*(parts or model()), ec, policy=policy, check=check)
 
 
 def prompts(n: int) -> list[str]:

@@ -22,12 +22,12 @@ from hypothesis.stateful import (
     rule,
 )
 
-from paged_jax import kv_quant
-from paged_jax.config import CacheConfig
-from paged_jax.invariants import check_invariants
-from paged_jax.kv_cache import init_kv_cache
-from paged_jax.page_table import add_sequence, fork, init_page_table, release
-from paged_jax.pool import init_pool
+from paged_jax.cache import kv_quant
+from paged_jax.cache.config import CacheConfig
+from paged_jax.cache.invariants import check_invariants
+from paged_jax.cache.kv_cache import init_kv_cache
+from paged_jax.cache.page_table import add_sequence, fork, init_page_table, release
+from paged_jax.cache.pool import init_pool
 from tests.allocator_helpers import make_append
 
 CFG = CacheConfig(num_blocks=14, block_size=4, max_seqs=5, max_blocks_per_seq=5)

@@ -1,4 +1,4 @@
-"""paged_jax.attention: the jnp reference against a naive per-token numpy loop; backends."""
+"""paged_jax.models.attention: the jnp reference against a naive per-token numpy loop; backends."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import reference
-from paged_jax.attention import default_backend, paged_attention, ragged_reference
+from paged_jax.models.attention import default_backend, paged_attention, ragged_reference
 from tests.attention_helpers import naive
 
 S, P, K, H, G, D, MAX_Q = 3, 3, 4, 2, 2, 8, 3
@@ -114,7 +114,7 @@ def test_model_logits_pallas_equal_reference():
     """A tiny random GQA model (6 query / 2 KV heads): prefill chunks, then decode steps."""
     from paged_jax.models.config import ModelConfig
     from paged_jax.models.params import build_params, expected_shapes
-    from paged_jax.models.runner import greedy, runner_for
+    from paged_jax.models.reference_loop import greedy, paged_loop
 
     config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
                          num_heads=6, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
@@ -131,7 +131,7 @@ def test_model_logits_pallas_equal_reference():
     prompts = [rng.integers(0, 64, n).tolist() for n in (7, 3, 10)]
     runs = {}
     for backend in ("reference", "pallas"):
-        runner = runner_for(config, params, num_seqs=3, max_len=16, block_size=4,
+        runner = paged_loop(config, params, num_seqs=3, max_len=16, block_size=4,
                             backend=backend, shuffle_seed=5)
         runs[backend] = greedy(runner, prompts, max_tokens=4)
     assert runs["pallas"][0] == runs["reference"][0]

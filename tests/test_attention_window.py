@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import dispatch
-from paged_jax.attention import cpu_kernel_available, paged_attention
+from paged_jax.models.attention import cpu_kernel_available, paged_attention
 from tests.attention_helpers import naive
 from tests.test_attention import MAX_Q, K, P, batches
 

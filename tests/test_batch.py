@@ -8,14 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax import batch as batch_lib
-from paged_jax import page_table as pt
-from paged_jax.sampling import SampleFlags
+from paged_jax.cache import page_table as pt
+from paged_jax.engine import batch as batch_lib
+from paged_jax.engine.plan import Plan
+from paged_jax.engine.sequence import Request, Sequence, Status
+from paged_jax.engine.step import StepShape, run_step
+from paged_jax.engine.window import decode_batch
+from paged_jax.sample.sampler import SampleFlags
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.scheduler import Plan
-from paged_jax.sequence import Request, Sequence, Status
-from paged_jax.step import StepShape, run_step
-from paged_jax.window import decode_batch
 from tests.engine_helpers import BASE, GREEDY, engine, run
 
 EC = engine().config  # block 8, 8 slots, budget 64, max_model_len 256 (P = 32)
@@ -55,7 +55,7 @@ def test_ragged_step_shapes():
     seqs = running(3, length=30)
     seqs[0].num_computed = 0  # a 30-token prefill chunk beside two decodes
     plan = Plan(chunks=[(seqs[0], 30), (seqs[1], 1), (seqs[2], 1)])
-    batch, shape, forks, rows = batch_lib.build_step(plan, EC, [], [256], 257, "reference")
+    batch, shape, forks, rows = batch_lib.build_step(plan, EC, [256], 257, "reference")
     assert rows[0] is seqs[0] and not forks
     assert batch.row_slots.shape == (4,)  # 3 rows, the bucket floor is S / 4 = 2
     assert batch.token_ids.shape == (64,)  # budget 64: token buckets 16 and 64
@@ -101,13 +101,13 @@ def test_a_copy_beyond_max_copies_is_refused_not_written():
     table = pt.add_sequence(st.table, 0)
     pool, table, _, _ = pt.reserve_tokens(st.pool, table, jnp.zeros(8, jnp.int32).at[0].set(5))
     pool, table = pt.fork(pool, table, jnp.array([0]), jnp.array([1]))
-    eng.state = st = dataclasses.replace(st, pool=pool, table=table)
+    eng.runner.state = st = dataclasses.replace(st, pool=pool, table=table)
     batch = decode_batch(jnp.array([1]), jnp.array([7]), jnp.array([True]), table.seq_lens)
     flags = SampleFlags(False, False, False, False, 0, False)
-    st, out = run_step(eng.params, st, batch, cfg=eng.step_cfg,
+    st, out = run_step(eng.params, st, batch, cfg=eng.runner.cfg,
                        shape=StepShape(max_q=1, flags=flags))
     assert not bool(out.ok) and int(st.table.seq_lens[1]) == 5
-    st, out = run_step(eng.params, st, batch, cfg=eng.step_cfg,
+    st, out = run_step(eng.params, st, batch, cfg=eng.runner.cfg,
                        shape=StepShape(max_q=1, max_copies=1, flags=flags))
     assert bool(out.ok) and int(st.table.seq_lens[1]) == 6
     rows = np.asarray(st.table.block_tables)

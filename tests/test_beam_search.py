@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from paged_jax.beam_search import beam_search
-from paged_jax.config import CacheConfig
-from paged_jax.models.runner import Runner
+from paged_jax.cache.config import CacheConfig
+from paged_jax.engine.beam_search import beam_search
+from paged_jax.models.reference_loop import PagedLoop
 from paged_jax.sampling_params import BeamSearchParams
 from tests.engine_helpers import all_free, engine, model
 
@@ -14,7 +14,7 @@ def reference_beams(prompt_ids, width, steps):
     config, params, _ = model()
 
     def logprobs(tokens):
-        r = Runner(config, params, CacheConfig(64, 8, 1, 32))
+        r = PagedLoop(config, params, CacheConfig(64, 8, 1, 32))
         logits = r.step([tokens])[0]
         return logits - np.logaddexp.reduce(logits)
 

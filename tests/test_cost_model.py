@@ -1,10 +1,10 @@
-"""paged_jax.cost_model: the roofline step time of the modeled GPU clock."""
+"""paged_jax.study.cost_model: the roofline step time of the modeled GPU clock."""
 
 from __future__ import annotations
 
 import math
 
-from paged_jax.cost_model import GpuCostModel, TensorParallelRoofline
+from paged_jax.study.cost_model import GpuCostModel, TensorParallelRoofline
 
 
 def test_decode_step_is_memory_bound_and_nearly_flat_in_batch():

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import cpu_attention
-from paged_jax.attention import cpu_kernel_available, default_backend, paged_attention
+from paged_jax.models.attention import cpu_kernel_available, default_backend, paged_attention
 from tests.attention_helpers import naive
 from tests.engine_helpers import GREEDY, engine, prompts, run, tokens
 
@@ -84,7 +84,7 @@ def test_engine_tokens_equal_on_both_backends():
     reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(6))]
     engines = {b: engine(backend=b, num_kv_blocks=16) for b in ("cpu", "reference")}
     outs = {b: run(e, reqs) for b, e in engines.items()}
-    assert sum(s.preempted for s in engines["cpu"].stats) > 0, "the small pool should preempt"
+    assert engines["cpu"].scheduler.num_preempted > 0, "the small pool should preempt"
     for i in range(6):
         assert tokens(outs["cpu"], str(i)) == tokens(outs["reference"], str(i)), f"prompt {i}"
 
@@ -101,7 +101,7 @@ def test_loading_the_kernel_keeps_subnormal_floats():
 def test_quantized_pages_match_the_reference(batch, name):
     """int8 / fp8 pages with two scales per row (groups of D / 2); free blocks' scales are
     NaN."""
-    from paged_jax import kv_quant
+    from paged_jax.cache import kv_quant
 
     q, k, v, tables, lens, qs = batch
     dt = kv_quant.storage_dtype(name, jnp.float32)

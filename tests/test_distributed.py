@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from paged_jax.distributed import greedy_tokens, tiny_llm
+from paged_jax.distributed import greedy_tokens
+from tests.distributed_worker import PROMPTS, tiny_llm
 
 
 def free_port() -> int:
@@ -31,7 +32,7 @@ def test_two_processes_give_one_process_tokens(tmp_path):
            "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=1".strip()}
     port = free_port()
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "paged_jax.distributed", "--coordinator", f"127.0.0.1:{port}",
+        [sys.executable, "-m", "tests.distributed_worker", "--coordinator", f"127.0.0.1:{port}",
          "--num-processes", "2", "--process-id", str(i), "--out", str(out)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
     try:
@@ -44,4 +45,4 @@ def test_two_processes_give_one_process_tokens(tmp_path):
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
     got = json.loads(out.read_text())
     assert (got["devices"], got["processes"]) == (2, 2)
-    assert got["tokens"] == greedy_tokens(tiny_llm(1))
+    assert got["tokens"] == greedy_tokens(tiny_llm(1), PROMPTS)

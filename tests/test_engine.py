@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from paged_jax import step as step_lib
-from paged_jax import window as window_lib
+from paged_jax.engine import step as step_lib
+from paged_jax.engine import window as window_lib
 from paged_jax.sampling_params import SamplingParams
 from tests.engine_helpers import GREEDY, all_free, engine, prompts, run, tokens
 
@@ -29,7 +29,7 @@ def test_batched_equals_one_at_a_time(batched_greedy):
 def test_forced_preemption_loses_nothing(batched_greedy, mode, swap_blocks):
     """swap_blocks: the swap space in blocks (3: most preemptions must recompute instead)."""
     eng = engine(num_kv_blocks=20, preemption_mode=mode)
-    eng.kv.swap_space = swap_blocks * eng.kv._block_bytes
+    eng.kv.swap_space = swap_blocks * eng.kv.block_bytes
     peak, step = 0, eng.step
 
     def watched_step():  # swap-outs happen while the step plans
@@ -194,7 +194,7 @@ def test_preemption_never_plans_more_blocks_than_are_free():
     """A decode takes the last free block, the next decode preempts a request: the blocks the
     preemption frees must be counted net of what the plan already claimed, or the device
     refuses the step (and, before this was fixed, the engine could repeat it forever)."""
-    from paged_jax.workloads import make_workload
+    from paged_jax.study.workloads import make_workload
 
     eng = engine(num_kv_blocks=17, max_model_len=64)
     items = make_workload("alpaca", 24, float("inf"), eng.tokenizer, 0, 0.5, 64)
@@ -207,3 +207,129 @@ def test_preemption_never_plans_more_blocks_than_are_free():
     assert not eng.has_unfinished() and sum(s.preempted for s in eng.stats) > 0
     assert eng.refused_steps == 0
     assert all_free(eng)
+
+
+# ---- one step = one jitted call and one device -> host read ---------------------------------
+class DeviceTraffic:
+    """Counts jitted calls (the runner's programs) and device -> host reads (jax.device_get,
+    numpy conversions of jax arrays, scalar conversions) while installed."""
+
+    def __init__(self, monkeypatch):
+        import jax
+        from jax._src import array as jarray
+
+        from paged_jax.engine import runner
+
+        self.calls = self.reads = 0
+        self._inside = 0
+        for name in ("run_step", "decode_window", "run_ops", "_restore"):
+            monkeypatch.setattr(runner, name, self._count_call(getattr(runner, name)))
+        monkeypatch.setattr(runner.jax, "device_get", self._count_read(jax.device_get))
+        monkeypatch.setattr(np, "asarray", self._count_read(np.asarray, arrays_only=True))
+        monkeypatch.setattr(np, "array", self._count_read(np.array, arrays_only=True))
+        value = jarray.ArrayImpl._value  # int(x), bool(x), x.tolist() read through it
+
+        def counted(arr):
+            if arr._npy_value is None and not self._inside:
+                self.reads += 1
+            return value.fget(arr)
+
+        monkeypatch.setattr(jarray.ArrayImpl, "_value", property(counted))
+
+    def _count_call(self, f):
+        def g(*a, **k):
+            self.calls += 1
+            return f(*a, **k)
+        g._cache_size = f._cache_size
+        return g
+
+    def _count_read(self, f, arrays_only=False):
+        import jax
+
+        def g(x, *a, **k):
+            if (arrays_only and not isinstance(x, jax.Array)) or self._inside:
+                return f(x, *a, **k)
+            self.reads += 1
+            self._inside += 1
+            try:
+                return f(x, *a, **k)
+            finally:
+                self._inside -= 1
+        return g
+
+
+def test_one_jitted_call_and_one_read_per_step(monkeypatch):
+    """Admissions, prefix hits and registrations, n > 1 forks, stop strings, aborts and
+    preemption in a small pool: every step is one jitted call and one device -> host read."""
+    eng = engine(num_kv_blocks=28, decode_window=4, check=False)
+    system = "a shared system prompt, long enough for two blocks. "
+    for i in range(10):
+        sp = SamplingParams(temperature=0.8 if i % 3 == 0 else 0.0, n=2 if i % 3 == 0 else 1,
+                            seed=i, max_tokens=6 + 3 * (i % 4), ignore_eos=True,
+                            stop=["e"] if i % 4 == 1 else None)
+        eng.add_request(str(i), system + f"question {i} " * (i % 3), sp)
+    eng.step()  # compiles outside the count
+    traffic = DeviceTraffic(monkeypatch)
+    per_step, steps = [], 0
+    while eng.has_unfinished():
+        before = (traffic.calls, traffic.reads)
+        eng.step()
+        steps += 1
+        if steps == 3:
+            eng.abort("9")  # an abort while others run rides in the next step
+        per_step.append((traffic.calls - before[0], traffic.reads - before[1]))
+    monkeypatch.undo()
+    assert eng.scheduler.num_preempted > 0 and eng.prefix.hit_rate > 0
+    assert max(c for c, _ in per_step) == 1 and max(r for _, r in per_step) == 1, per_step
+    eng.kv.check()
+    assert all_free(eng)
+
+
+# ---- bounded memory -------------------------------------------------------------------------
+def footprint(root) -> dict[str, int]:
+    """Lengths of every container reachable from `root` through object attributes (device
+    and numpy arrays, modules, functions and locks are leaves), by attribute path."""
+    import collections
+    import types
+
+    import jax
+
+    sizes, seen = {}, set()
+
+    def walk(x, path: str) -> None:
+        if id(x) in seen or isinstance(x, jax.Array | np.ndarray | types.ModuleType |
+                                       types.FunctionType | type | str | bytes):
+            return
+        seen.add(id(x))
+        if isinstance(x, dict | list | set | tuple | collections.deque):
+            sizes[path] = len(x)
+            items = x.items() if isinstance(x, dict) else enumerate(x)
+            for k, v in list(items)[:64]:  # elements of one kind: a few stand for all
+                walk(v, f"{path}[{type(k).__name__}]")
+        elif hasattr(x, "__dict__") and not callable(x):
+            for k, v in vars(x).items():
+                walk(v, f"{path}.{k}")
+
+    walk(root, "engine")
+    return sizes
+
+
+def test_a_long_run_holds_no_more_than_a_short_one():
+    """After 10,000 more requests the engine holds what it held before: no per-request or
+    per-step state only grows (requests, skips, stats, prefix cache, slots)."""
+    eng = engine(check=False, admission="cache-aware")
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    count = iter(range(10**6))
+
+    def serve(n: int) -> None:
+        for _ in range(n // 64):  # arrivals in bursts, as a server sees them
+            for _ in range(64):
+                i = next(count)
+                eng.add_request(f"r{i}", [1 + i % 97, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], sp)
+            while eng.has_unfinished():
+                eng.step()
+
+    serve(3_008)  # past every bounded buffer's size (stats keeps the last 256 steps)
+    short = footprint(eng)
+    serve(10_048)
+    assert footprint(eng) == short

@@ -15,8 +15,8 @@ import functools
 
 import pytest
 
-from paged_jax.beam_search import beam_search
 from paged_jax.engine import Engine, EngineConfig
+from paged_jax.engine.beam_search import beam_search
 from paged_jax.models.testing import byte_tokenizer, random_params, tiny_config
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 from tests.engine_helpers import BASE, all_free, run, tokens
@@ -92,7 +92,7 @@ def test_prefix_cache_hits():
 def test_preemption(mode):
     def workload(eng):
         outs = run(eng, [(str(i), p, GREEDY) for i, p in enumerate(PROMPTS)])
-        assert sum(s.preempted for s in eng.stats) > 0, "the small cache should preempt"
+        assert eng.scheduler.num_preempted > 0, "the small cache should preempt"
         return outs
 
     same_tokens(*both(workload, preemption_mode=mode))
@@ -114,11 +114,13 @@ def test_beam_search():
 
 
 LOWER = """
+import dataclasses
+
 import jax
 from kernels import paged_attention, ragged_paged_attention
-from paged_jax import batch as batch_lib
-from paged_jax import step as step_lib
-from paged_jax import window as window_lib
+from paged_jax.engine import batch as batch_lib
+from paged_jax.engine import step as step_lib
+from paged_jax.engine import window as window_lib
 from tests.test_engine_pallas import GREEDY, PROMPTS, SMALL, engine
 
 for mod in (paged_attention, ragged_paged_attention):  # Triton, not the interpreter
@@ -128,13 +130,15 @@ for kv in ("auto", "fp8"):  # float pages, and fp8 bits with scales
     for i, p in enumerate(PROMPTS[:3]):
         eng.add_request(str(i), p, GREEDY)
     plan = eng.scheduler.schedule()
-    batch, shape, _, _ = batch_lib.build_step(plan, eng.config, [], [0], 257, "pallas")
+    batch, shape, _, _ = batch_lib.build_step(plan, eng.config, [0], 257, "pallas")
+    batch = dataclasses.replace(batch, ops=batch_lib.build_ops(plan.ops, eng.config))
     rows, toks, wshape, _ = batch_lib.build_window(plan, eng.config, "pallas")
+    cfg = eng.runner.cfg
     for low in (
-        step_lib.run_step.trace(eng.params, eng.state, batch, cfg=eng.step_cfg, shape=shape),
+        step_lib.run_step.trace(eng.params, eng.state, batch, cfg=cfg, shape=shape),
         window_lib.decode_window.trace(eng.params, eng.state, jax.numpy.asarray(rows),
-                                     jax.numpy.asarray(toks), cfg=eng.step_cfg, window=4,
-                                     shape=wshape),
+                                       jax.numpy.asarray(toks), batch.ops, cfg=cfg, window=4,
+                                       shape=wshape),
     ):
         text = low.lower(lowering_platforms=("cuda",)).as_text().lower()
         assert "triton" in text, "the kernels were not lowered to Triton"

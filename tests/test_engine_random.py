@@ -1,47 +1,85 @@
-"""Hypothesis: random request mixes (lengths, params, aborts, arrivals) keep every allocator
-invariant after every step and finish every request that was not aborted."""
+"""Hypothesis state machine over a whole engine: requests arrive (sharing prefixes, n > 1,
+stop strings, random sampling), steps run, requests are aborted, in any order, in a pool
+small enough to preempt. After every rule the KV manager's host mirror equals the device
+(`KVManager.check`, which also checks the allocator invariants); every request that was not
+aborted finishes with exactly its tokens, and at the end nothing is held."""
 
-from hypothesis import HealthCheck, given, settings
+import string
+
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from paged_jax.invariants import check_invariants
 from paged_jax.sampling_params import SamplingParams
 from tests.engine_helpers import all_free, engine
 
-request = st.tuples(
-    st.integers(1, 60),                     # prompt length (bytes)
-    st.integers(1, 20),                     # max_tokens
-    st.sampled_from([0.0, 0.8]),            # temperature
-    st.integers(1, 3),                      # n
-    st.integers(0, 4),                      # arrival step
-    st.booleans(),                          # aborted?
-)
+PREFIXES = ["", "shared system prompt: ", "another, longer shared system prompt. "]
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(reqs=st.lists(request, min_size=1, max_size=10), tight=st.booleans())
-def test_random_mixes_keep_invariants_and_finish(reqs, tight):
-    eng = engine(num_kv_blocks=40 if tight else 160)
-    pending = {str(i): r for i, r in enumerate(reqs)}
-    finished, aborted, t = set(), set(), 0
-    while pending or eng.has_unfinished():
-        for rid, (plen, mt, temp, n, arrive, _) in list(pending.items()):
-            if arrive <= t:
-                n = 1 if temp == 0.0 else n
-                eng.add_request(rid, "z" * plen, SamplingParams(
-                    temperature=temp, n=n, max_tokens=mt, seed=int(rid), ignore_eos=True))
-                del pending[rid]
-        for out in eng.step():
+class EngineMachine(RuleBasedStateMachine):
+    mode = "recompute"
+
+    def __init__(self):
+        super().__init__()
+        self.eng = engine(num_kv_blocks=40, decode_window=4, preemption_mode=self.mode)
+        self.want: dict[str, int] = {}  # live request -> tokens it must produce (no stop)
+        self.stops: set[str] = set()  # requests that may end early on a stop string
+        self.ids = 0
+
+    @rule(prefix=st.sampled_from(PREFIXES), tail=st.text(string.ascii_lowercase, max_size=20),
+          max_tokens=st.integers(1, 12), sampled=st.booleans(), n=st.integers(1, 2),
+          stop=st.booleans())
+    def add(self, prefix, tail, max_tokens, sampled, n, stop):
+        rid = str(self.ids)
+        self.ids += 1
+        sp = SamplingParams(temperature=0.8 if sampled else 0.0, n=n if sampled else 1,
+                            seed=self.ids, max_tokens=max_tokens, ignore_eos=True,
+                            stop=list("aeiou") if stop else None)
+        self.eng.add_request(rid, prefix + tail + ".", sp)
+        self.want[rid] = max_tokens
+        if stop:
+            self.stops.add(rid)
+
+    @rule()
+    def step(self):
+        for out in self.eng.step():
             if out.finished:
-                finished.add(out.request_id)
-                assert all(len(c.token_ids) == reqs[int(out.request_id)][1] for c in out.outputs)
-        check_invariants(eng.state.pool, eng.state.table)
-        if t == 2:
-            for rid, r in enumerate(reqs):
-                if r[5] and str(rid) not in finished and str(rid) not in pending:
-                    eng.abort(str(rid))
-                    aborted.add(str(rid))
-        t += 1
-    assert finished | aborted == {str(i) for i in range(len(reqs))}
-    assert all_free(eng)
-    assert eng.refused_steps == 0, "the scheduler planned more blocks than were free"
+                self._finished(out)
+
+    @precondition(lambda self: self.want)
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.want)))
+        self.eng.abort(rid)
+        del self.want[rid]
+
+    def _finished(self, out):
+        want = self.want.pop(out.request_id)
+        for c in out.outputs:
+            if out.request_id in self.stops:
+                assert 1 <= len(c.token_ids) <= want
+            else:
+                assert len(c.token_ids) == want, (out.request_id, len(c.token_ids), want)
+
+    @invariant()
+    def host_mirror_equals_device(self):
+        self.eng.kv.check()
+
+    def teardown(self):
+        while self.eng.has_unfinished():
+            self.step()
+        assert not self.want, f"requests never finished: {sorted(self.want)}"
+        assert all_free(self.eng)
+        assert self.eng.refused_steps == 0, "the scheduler planned more blocks than were free"
+
+
+class SwapMachine(EngineMachine):
+    mode = "swap"
+
+
+SETTINGS = settings(max_examples=15, stateful_step_count=25, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+EngineMachine.TestCase.settings = SETTINGS
+SwapMachine.TestCase.settings = settings(SETTINGS, max_examples=6)
+TestEngineMachine = EngineMachine.TestCase
+TestSwapMachine = SwapMachine.TestCase

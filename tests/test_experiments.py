@@ -61,8 +61,8 @@ def test_modeled_clock_is_deterministic_and_favours_bigger_batches():
     """On the modeled clock a run's latencies do not depend on machine speed (two runs agree
     exactly), and paging, which batches more in the same pool, finishes a burst sooner."""
     from experiments import serving as sv
-    from paged_jax.cost_model import GpuCostModel
-    from paged_jax.workloads import make_workload
+    from paged_jax.study.cost_model import GpuCostModel
+    from paged_jax.study.workloads import make_workload
 
     parts, cfg = sv.tiny_model(), {**sv.TINY, "num_kv_blocks": 33}
     items = make_workload("alpaca", 12, float("inf"), parts[2], 0, 1.0, cfg["max_model_len"])

@@ -8,8 +8,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from paged_jax.config import CacheConfig
-from paged_jax.models.runner import Runner
+from paged_jax.cache.config import CacheConfig
+from paged_jax.models.reference_loop import PagedLoop
 from paged_jax.sampling_params import SamplingParams
 from tests.engine_helpers import all_free, engine, model, run
 
@@ -20,7 +20,7 @@ ASK = SamplingParams(temperature=0.0, max_tokens=3, return_hidden_states=True)
 def dense_last_logits(ids: list[int]) -> np.ndarray:
     """The logits after the prompt's last token, from one dense prefill [V]."""
     config, params, _ = model()
-    return Runner(config, params, CacheConfig(64, 8, 1, 32)).step([ids])[0]
+    return PagedLoop(config, params, CacheConfig(64, 8, 1, 32)).step([ids])[0]
 
 
 def check(out, ids: list[int]) -> None:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kernels import dispatch
 from kernels.paged_attention import decode_attention, decode_reference
 from kernels.ragged_paged_attention import ragged_paged_attention
-from paged_jax.attention import ragged_reference
+from paged_jax.models.attention import ragged_reference
 
 S, P, MAX_Q, EXTRA_BLOCKS = 3, 4, 4, 3
 

@@ -20,8 +20,9 @@ from kernels import cpu_attention
 from kernels.paged_attention import decode_attention, decode_reference
 from kernels.pages import Pages
 from kernels.ragged_paged_attention import ragged_paged_attention
-from paged_jax import compile_cache, kv_quant
-from paged_jax.attention import ragged_reference
+from paged_jax import compile_cache
+from paged_jax.cache import kv_quant
+from paged_jax.models.attention import ragged_reference
 from tests.test_kernels import MAX_Q, assert_close, decode_args, layouts, make_batch
 
 NAMES = ["bfloat16", "int8", "fp8", "fp8_e5m2"]

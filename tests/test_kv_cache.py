@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.kv_cache import copy_blocks, init_kv_cache, write
+from paged_jax.cache.kv_cache import copy_blocks, init_kv_cache, write
 
 
 def test_write_scatters_to_block_and_offset_and_drops_padding():

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from paged_jax import kv_quant as kq
+from paged_jax.cache import kv_quant as kq
 
 
 def test_dtype_names():

@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.config import EngineConfig
-from paged_jax.kv_cache import (
+from paged_jax.cache.kv_cache import (
     copy_blocks,
     init_kv_cache,
     kv_cache_bytes,
@@ -17,6 +16,7 @@ from paged_jax.kv_cache import (
     write,
     write_blocks,
 )
+from paged_jax.engine.config import EngineConfig
 from paged_jax.llm import LLM
 from tests.engine_helpers import GREEDY, all_free, engine, model, prompts, run, tokens
 
@@ -53,7 +53,7 @@ N = 12
 def int8_greedy():
     eng = engine(**INT8)
     outs = run(eng, [(str(i), p, GREEDY) for i, p in enumerate(prompts(N))], check=True)
-    assert sum(s.preempted for s in eng.stats) > 0, "the small pool should preempt"
+    assert eng.scheduler.num_preempted > 0, "the small pool should preempt"
     assert all_free(eng)
     return outs
 
@@ -81,7 +81,7 @@ def test_int8_reference_backend_gives_the_same_tokens(int8_greedy):
 def test_int8_swap_preemption_loses_nothing(int8_greedy):
     eng = engine(**INT8, preemption_mode="swap")
     outs = run(eng, [(str(i), p, GREEDY) for i, p in enumerate(prompts(N))], check=True)
-    assert sum(s.preempted for s in eng.stats) > 0
+    assert eng.scheduler.num_preempted > 0
     for i in range(N):
         assert tokens(outs, str(i)) == tokens(int8_greedy, str(i)), f"prompt {i}"
     assert all_free(eng) and eng.kv.swapped_bytes == 0

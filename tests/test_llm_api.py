@@ -36,3 +36,22 @@ def test_swap_space_and_memory_utilization():
         LLM(model_parts=model(), gpu_memory_utilization=0.5, **SMALL)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         LLM(model_parts=model(), gpu_memory_utilization=1.5, **SMALL)
+
+
+@pytest.mark.parametrize("msgs, match", [
+    ([{"content": "hi"}], "messages\\[0\\] has no 'role'"),
+    ([{"role": "user"}], "messages\\[0\\] has no 'content'"),
+    ([{"role": "user", "content": "hi"}, "oops"], "messages\\[1\\] must be a dict"),
+])
+def test_a_malformed_chat_names_the_message(msgs, match):
+    llm = LLM(model_parts=model(), **SMALL)
+    template = "{% for m in messages %}[{{ m['role'] }}: {{ m['content'] }}]{% endfor %}"
+    with pytest.raises(ValueError, match=match):
+        llm.chat(msgs, use_tqdm=False, chat_template=template)
+
+
+@pytest.mark.parametrize("field", ["block_size", "max_num_seqs", "max_num_batched_tokens",
+                                   "decode_window"])
+def test_a_zero_size_names_the_field(field):
+    with pytest.raises(ValueError, match=f"{field} must be a positive integer, got 0"):
+        LLM(model_parts=model(), **{**SMALL, field: 0})

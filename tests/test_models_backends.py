@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from paged_jax.models import ModelConfig, make_forward
-from paged_jax.models.runner import runner_for
+from paged_jax.models.reference_loop import paged_loop
 from paged_jax.models.testing import random_params
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
@@ -19,7 +19,7 @@ PROMPTS = [np.random.default_rng(0).integers(0, 64, n).tolist() for n in (9, 4, 
 
 def run(params, backend: str = "reference", block_size: int = 4):
     """All-token logits of a ragged prefill, then 3 decode steps' logits."""
-    runner = runner_for(CONFIG, params, 3, 16, block_size=block_size, backend=backend,
+    runner = paged_loop(CONFIG, params, 3, 16, block_size=block_size, backend=backend,
                         shuffle_seed=1)
     prefill = runner.step(PROMPTS, all_logits=True)
     decode = np.stack([runner.step([[3], [5], [7]]) for _ in range(3)])
@@ -42,7 +42,7 @@ def test_pallas_backend_matches_reference(params, reference):
 
 
 def test_prefill_equals_decode_token_by_token(params, reference):
-    runner = runner_for(CONFIG, params, 3, 16, block_size=4)
+    runner = paged_loop(CONFIG, params, 3, 16, block_size=4)
     # Sequences that ran out of prompt get no tokens (their logits rows are garbage, skipped).
     steps = [runner.step([[p[i]] if i < len(p) else [] for p in PROMPTS]) for i in range(9)]
     by_token = [np.stack([s[j] for s in steps[: len(p)]]) for j, p in enumerate(PROMPTS)]
@@ -61,7 +61,7 @@ def test_bf16_close_to_fp32(params, reference):
 def test_make_forward_is_cached_and_donates(params):
     fwd = make_forward(CONFIG, 1)
     assert make_forward(CONFIG, 1) is fwd
-    runner = runner_for(CONFIG, params, 3, 16, block_size=4)
+    runner = paged_loop(CONFIG, params, 3, 16, block_size=4)
     old = runner.cache
     runner.step([[1], [2], [3]])
     assert all(x.is_deleted() for x in old.k)

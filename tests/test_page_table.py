@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.config import CacheConfig
-from paged_jax.invariants import InvariantError, check_invariants
-from paged_jax.page_table import (
+from paged_jax.cache.config import CacheConfig
+from paged_jax.cache.invariants import InvariantError, check_invariants
+from paged_jax.cache.page_table import (
     add_sequence,
     cache_positions,
     fork,
@@ -17,7 +17,7 @@ from paged_jax.page_table import (
     release,
     reserve_tokens,
 )
-from paged_jax.pool import init_pool
+from paged_jax.cache.pool import init_pool
 
 CFG = CacheConfig(num_blocks=10, block_size=4, max_seqs=3, max_blocks_per_seq=4)
 

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.pool import allocate, decref, incref, init_pool, num_used
+from paged_jax.cache.pool import allocate, decref, incref, init_pool, num_used
 
 
 def ids_of(x):

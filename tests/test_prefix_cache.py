@@ -6,13 +6,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from paged_jax.cache.invariants import InvariantError, check_invariants
+from paged_jax.cache.page_table import add_sequence, init_page_table, release, reserve_tokens
+from paged_jax.cache.pool import (
+    decref,
+    evict,
+    incref,
+    init_pool,
+    mark_cached,
+    num_cached_free,
+    num_used,
+)
+from paged_jax.cache.prefix_cache import PrefixCache
 from paged_jax.engine import EngineConfig
-from paged_jax.invariants import InvariantError, check_invariants
-from paged_jax.page_table import add_sequence, init_page_table, release, reserve_tokens
-from paged_jax.pool import decref, evict, incref, init_pool, mark_cached, num_cached_free, num_used
-from paged_jax.prefix_cache import PrefixCache, cache_aware_order, count_skips
+from paged_jax.engine.admission import cache_aware_order, count_skips
+from paged_jax.engine.sequence import Request, Sequence
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.sequence import Request, Sequence
 from tests.engine_helpers import GREEDY, all_free, engine, run, tokens
 
 
@@ -50,7 +59,7 @@ def test_invariants_cover_cached_free_blocks():
 
 
 def _cfg():
-    from paged_jax.config import CacheConfig
+    from paged_jax.cache.config import CacheConfig
     return CacheConfig(num_blocks=6, block_size=2, max_seqs=2, max_blocks_per_seq=3)
 
 
@@ -63,7 +72,7 @@ def test_lookup_register_and_lru_leaf_first():
     pc = PrefixCache(2)
     a = _seq([1, 2, 3, 4, 5])
     assert pc.lookup(a).blocks == ()
-    assert pc.register(a, 0, 2, np.array([7, 9, 0])) == [7, 9]
+    assert pc.register(a, 0, np.array([7, 9])) == [7, 9]
     hit = pc.lookup(_seq([1, 2, 3, 4, 6, 6]))
     assert hit.blocks == (7, 9) and hit.num_tokens == 4
     assert pc.lookup(_seq([1, 2, 4, 4])).blocks == (7,)  # second block differs
@@ -79,8 +88,8 @@ def test_lookup_register_and_lru_leaf_first():
 
 def test_duplicate_prefix_is_not_registered_twice():
     pc = PrefixCache(2)
-    assert pc.register(_seq([1, 2, 3]), 0, 1, np.array([4])) == [4]
-    assert pc.register(_seq([1, 2, 5]), 0, 1, np.array([6])) == []  # same content elsewhere
+    assert pc.register(_seq([1, 2, 3]), 0, np.array([4])) == [4]
+    assert pc.register(_seq([1, 2, 5]), 0, np.array([6])) == []  # same content elsewhere
 
 
 def _req(rid, order=-1):

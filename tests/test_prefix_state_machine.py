@@ -17,18 +17,18 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from paged_jax.config import CacheConfig
-from paged_jax.invariants import check_invariants
-from paged_jax.kv_cache import init_kv_cache
-from paged_jax.page_table import (
+from paged_jax.cache.config import CacheConfig
+from paged_jax.cache.invariants import check_invariants
+from paged_jax.cache.kv_cache import init_kv_cache
+from paged_jax.cache.page_table import (
     add_sequence,
     attach_prefix,
     init_page_table,
     release,
 )
-from paged_jax.pool import evict, init_pool, mark_cached, num_cached_free
-from paged_jax.prefix_cache import PrefixCache
-from paged_jax.sequence import Sequence
+from paged_jax.cache.pool import evict, init_pool, mark_cached, num_cached_free
+from paged_jax.cache.prefix_cache import PrefixCache
+from paged_jax.engine.sequence import Sequence
 from tests.allocator_helpers import make_append
 
 CFG = CacheConfig(num_blocks=12, block_size=2, max_seqs=4, max_blocks_per_seq=6)
@@ -86,7 +86,7 @@ class PrefixMachine(RuleBasedStateMachine):
         assert bool(ok), "the free-block accounting promised room"
         seq.num_computed = a + n
         row = np.asarray(self.table.block_tables[seq.slot])
-        new = self.prefix.register(seq, a // K, seq.num_computed // K, row)
+        new = self.prefix.register(seq, a // K, row[a // K:seq.num_computed // K])
         if new:
             self.pool = _mark(self.pool, _pad(new))
 

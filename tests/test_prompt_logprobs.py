@@ -4,8 +4,8 @@ over the whole prompt gives them; chunked prefill, prefix caching and n > 1 chan
 import numpy as np
 import pytest
 
-from paged_jax.config import CacheConfig
-from paged_jax.models.runner import Runner
+from paged_jax.cache.config import CacheConfig
+from paged_jax.models.reference_loop import PagedLoop
 from paged_jax.sampling_params import SamplingParams
 from tests.engine_helpers import all_free, engine, model, run
 
@@ -15,7 +15,7 @@ PROMPT = "the prompt whose every token is scored, " * 2
 def reference(ids: list[int]) -> np.ndarray:
     """Log-softmax of the logits after every prompt token [T, V] (one dense prefill)."""
     config, params, _ = model()
-    logits = Runner(config, params, CacheConfig(64, 8, 1, 32)).step([ids], all_logits=True)
+    logits = PagedLoop(config, params, CacheConfig(64, 8, 1, 32)).step([ids], all_logits=True)
     return logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
 
 

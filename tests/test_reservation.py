@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from engine_helpers import engine
 
-from paged_jax.reservation import POLICIES, Arena, make_policy, next_pow2
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.study.reservation import POLICIES, Arena, make_policy, next_pow2
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
@@ -50,7 +50,7 @@ def test_reserved_tokens_per_policy():
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    return {p: drive(engine(reservation=p), workload()) for p in POLICIES}
+    return {p: drive(engine(policy=p), workload()) for p in POLICIES}
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -313,8 +313,8 @@ def test_a_bad_request_leaves_nothing_queued(pair):
 def test_reference_likelihood_is_a_dense_forwards_per_byte(pair):
     """The score of a reference is a dense forward's log-softmax summed over the reference's
     tokens, per byte; the median cut halves the labels."""
-    from paged_jax.config import CacheConfig
-    from paged_jax.models.runner import Runner
+    from paged_jax.cache.config import CacheConfig
+    from paged_jax.models.reference_loop import PagedLoop
     from paged_jax.routing import likelihood as lk
 
     weak, strong, _ = pair
@@ -324,7 +324,7 @@ def test_reference_likelihood_is_a_dense_forwards_per_byte(pair):
     params = random_params(cfg, seed=0)
     for g, p, r in zip(got, PROMPTS, refs, strict=False):
         ids, k = tok.encode(p + r), len(tok.encode(p))
-        logits = Runner(cfg, params, CacheConfig(64, 8, 1, 32)).step([ids], all_logits=True)
+        logits = PagedLoop(cfg, params, CacheConfig(64, 8, 1, 32)).step([ids], all_logits=True)
         lp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
         want = sum(lp[i - 1, ids[i]] for i in range(k, len(ids))) / len(r.encode())
         assert g == pytest.approx(want, abs=2e-4)

@@ -1,4 +1,4 @@
-"""paged_jax.routing.balance on tiny engines: each policy's choice, and experiments/balance's
+"""paged_jax.engine.balance on tiny engines: each policy's choice, and experiments/balance's
 multi-replica run loses nothing."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from experiments import balance as exp
-from paged_jax.routing.balance import POLICIES, Balancer
+from paged_jax.engine.balance import POLICIES, Balancer
 from paged_jax.routing.replicas import shared_prefix_traffic
 from tests.engine_helpers import GREEDY, engine, run
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_jax.sampling import (
+from paged_jax.sample.sampler import (
     FINISH_EOS,
     FINISH_LENGTH,
     FINISH_NONE,
@@ -22,14 +22,19 @@ from paged_jax.sampling import (
     seed_to_key_data,
     set_slot,
     stop_mask,
-    update_after_sample,
+    update_rows,
 )
 from paged_jax.sampling_params import SamplingParams
 
 S, V = 4, 16
 EOS = 15
 _sample = jax.jit(sample, static_argnums=2)
-_update = jax.jit(update_after_sample)
+
+
+@jax.jit
+def _update(state, tokens, active):
+    """Counts every slot's token (history included), as a step over all S rows does."""
+    return update_rows(state, jnp.arange(state.max_seqs), tokens, active, True)
 
 
 def _logits(seed: int, s: int = S, v: int = V) -> np.ndarray:
@@ -354,12 +359,12 @@ def test_shape_annotations_hold_at_run_time():
     from beartype import beartype
     from jaxtyping import jaxtyped
 
-    import paged_jax.sampling as sampling
+    import paged_jax.sample.sampler as sampling
 
     chk = lambda f: jaxtyped(typechecker=beartype)(f)  # noqa: E731
     state = chk(sampling.SamplingState)(**vars(_state(_all(SamplingParams(seed=1)))))
     out = chk(sample)(jnp.asarray(_logits(9)), state, 2)
-    state = chk(update_after_sample)(state, out.tokens, jnp.ones((S,), bool))
+    state = chk(update_rows)(state, jnp.arange(S), out.tokens, jnp.ones((S,), bool), True)
     chk(stop_mask)(state, out.tokens)
     chk(fork_slot)(state, jnp.int32(0), jnp.int32(1), jnp.int32(1))
     chk(sampling.SampleResult)(**vars(out))

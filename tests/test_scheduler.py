@@ -1,22 +1,32 @@
-"""Scheduler: exact plans on hand-made sequences, over a tiny real KV manager (no model)."""
+"""Scheduler: exact plans on hand-made sequences, over a KV manager's host facts (no model,
+no device: the scheduler reads only the host mirror)."""
 
-import jax
-import jax.numpy as jnp
+import dataclasses
+
 import numpy as np
 
-from paged_jax import page_table as pt
-from paged_jax.config import CacheConfig
-from paged_jax.kv_manager import KVManager
+from paged_jax.cache.config import CacheConfig
+from paged_jax.engine.kv_manager import KVManager
+from paged_jax.engine.scheduler import Scheduler, SchedulerConfig
+from paged_jax.engine.sequence import Request, Sequence, Status
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.scheduler import Scheduler, SchedulerConfig
-from paged_jax.sequence import Request, Sequence, Status
+from paged_jax.sizes import cdiv
 
 K = 4  # block size
 
 
 def kv_manager(num_blocks: int = 9, slots: int = 4, prefix: bool = False) -> KVManager:
     cc = CacheConfig(num_blocks=num_blocks, block_size=K, max_seqs=slots, max_blocks_per_seq=8)
-    return KVManager(cc, 1, 1, 2, jnp.dtype("float32"), prefix_caching=prefix)
+    return KVManager(cc, block_bytes=64, prefix_caching=prefix)
+
+
+@dataclasses.dataclass
+class DeviceSaid:
+    """The parts of a call's output the KV manager reads (nothing computed)."""
+
+    num_free: int
+    full_blocks: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 0), int))
+    refcount: np.ndarray | None = None
 
 
 def request(rid: str, prompt_len: int, n: int = 1) -> Request:
@@ -36,13 +46,8 @@ def run_until(sch: Scheduler, req: Request, computed: int, extra_tokens: int = 0
     seq = req.seqs[0]
     seq.status, req.order = Status.RUNNING, next(sch._orders)
     sch.running.append(req)
-    num_new = np.zeros(kv.config.max_seqs, np.int32)
-    num_new[seq.slot] = computed
-    table = pt.add_sequence(kv.table, jnp.asarray(seq.slot))
-    kv.pool, kv.table, _, ok = jax.jit(pt.reserve_tokens)(kv.pool, table, jnp.asarray(num_new))
-    assert bool(ok)
     kv.slot_live[seq.slot] = True
-    kv.num_free = int(kv.pool.num_free)
+    kv.num_free -= cdiv(computed, K)
     seq.num_computed = computed
     seq.tokens += [7] * extra_tokens
 
@@ -83,11 +88,16 @@ def test_the_newest_request_is_preempted_and_requeued_first():
     sch.add(request("c", 2))
     assert sch.kv.free_total() == 0
     plan = sch.schedule()
-    assert plan_of(plan) == [("a", 1)]
+    # b's blocks come back with the call that releases them: a waits one step (rule 4)
+    assert plan_of(plan) == [] and plan.deferred == 1
+    assert plan.ops["release"].tolist() == [i == b.seqs[0].slot for i in range(4)]
     assert sch.num_preempted == 1 and [r.request_id for r in sch.waiting] == ["b", "c"]
     assert b.seqs[0].num_computed == 0 and b.seqs[0].status is Status.WAITING
     assert b.seqs[0].slot >= 0, "a preempted request keeps its slot"
+    assert sch.kv.free_total() == 0, "not freed until the device says so"
+    sch.kv.update_from_output([], DeviceSaid(num_free=2))
     assert sch.kv.free_total() == 2  # b's two blocks came back
+    assert plan_of(sch.schedule()) == [("a", 1)] and sch.num_preempted == 1
 
 
 def test_decodes_run_as_a_window_only_when_nothing_can_join():

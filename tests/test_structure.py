@@ -1,4 +1,5 @@
-"""The codebase's shape: the kernel lab stands alone, no import cycles, small files."""
+"""The codebase's shape: layers import only downward, the kernel lab stands alone, no import
+cycles, small files."""
 
 import ast
 from pathlib import Path
@@ -16,20 +17,63 @@ def modules(package: str) -> dict[str, ast.Module]:
 
 
 def imports(tree: ast.Module, package: str) -> set[str]:
-    """Every module of `package` this module imports, at any depth (lazy imports too)."""
+    """Every module of `package` this module imports, at any depth (lazy imports too).
+
+    `from a import b` counts as importing `a.b` when that is a module, else `a`.
+    """
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            found |= {f"{node.module}.{a.name}" for a in node.names}
+            subs = {f"{node.module}.{a.name}" for a in node.names}
+            mods = {s for s in subs if _is_module(s)}
+            found |= mods | ({node.module} if mods != subs else set())
     return {m for m in found if m == package or m.startswith(package + ".")}
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
 def test_kernels_import_nothing_from_the_library():
     for name, tree in modules("kernels").items():
         assert not imports(tree, "paged_jax"), f"{name} imports {imports(tree, 'paged_jax')}"
+
+
+# The library's layers, lowest first. A module imports its own package and lower layers only;
+# packages of the same rank (models and sample; study and the entry points) are independent.
+LAYERS = {
+    "paged_jax.types": 0, "paged_jax.sizes": 0, "paged_jax.compile_cache": 0,
+    "paged_jax.sampling_params": 0, "paged_jax.outputs": 0,
+    "paged_jax.cache": 1,
+    "paged_jax.models": 2, "paged_jax.sample": 2,
+    "paged_jax.engine": 3,
+    "paged_jax.study": 4, "paged_jax.llm": 4,
+    "paged_jax.generate": 5, "paged_jax.distributed": 5, "paged_jax.routing": 5,
+    "paged_jax.serve": 6,
+    "paged_jax": 7,  # the package's own __init__: the public API, re-exported
+}
+
+
+def unit(module: str) -> str:
+    """The layer unit a module belongs to (its package, or itself for a top-level module)."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYERS:
+            return ".".join(parts[:n])
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+
+
+def test_layers_import_only_downward():
+    bad = []
+    for name, tree in modules("paged_jax").items():
+        for dep in imports(tree, "paged_jax"):
+            mine, theirs = unit(name), unit(dep)
+            if theirs != mine and LAYERS[theirs] >= LAYERS[mine]:
+                bad.append(f"{name} imports {dep}")
+    assert not bad, "\n".join(sorted(bad))
 
 
 def test_library_imports_have_no_cycle():

@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from paged_jax import parallel
-from paged_jax import step as step_lib
-from paged_jax import window as window_lib
+from paged_jax.engine import step as step_lib
+from paged_jax.engine import window as window_lib
+from paged_jax.models import parallel
 from paged_jax.models.testing import tiny_config
 from paged_jax.sampling_params import SamplingParams
 from tests.engine_helpers import BASE, GREEDY, all_free, engine, model, prompts, run, tokens
@@ -45,7 +45,7 @@ def test_tokens_match_one_device(one_device, n):
 def test_preemption_under_tensor_parallelism(one_device):
     eng = engine(tensor_parallel_size=2, num_kv_blocks=30)
     outs = run(eng, workload(), check=True)
-    assert sum(s.preempted for s in eng.stats) > 0, "the small pool should force preemption"
+    assert eng.scheduler.num_preempted > 0, "the small pool should force preemption"
     for rid in one_device:
         assert tokens(outs, rid) == tokens(one_device, rid), rid
     assert all_free(eng)
@@ -56,8 +56,8 @@ def test_each_device_holds_its_share_of_the_pool(n, heads_each):
     """Tiny model: 2 KV heads. n = 2: one each, half the pool; n = 4: each head on two
     devices (replicated), so a device holds 1 / 2 of the unreplicated pool, not 1 / 4."""
     eng = engine(tensor_parallel_size=n)
-    one = engine().kv.cache
-    for arr, ref in zip(eng.kv.cache.k + eng.kv.cache.v, one.k + one.v, strict=True):
+    one = engine().state.cache
+    for arr, ref in zip(eng.state.cache.k + eng.state.cache.v, one.k + one.v, strict=True):
         shards = arr.addressable_shards
         assert len(shards) == n and {s.data.shape[0] for s in shards} == {heads_each}
         assert all(s.data.nbytes == arr.nbytes // n for s in shards)
@@ -117,7 +117,7 @@ def test_data_parallel_replicas_share_the_work(one_device):
         assert [c.token_ids for c in out.outputs] == tokens(one_device, rid), rid
     a, b = llm.replicas
     assert a.stats and b.stats  # both served
-    assert {d.id for d in b.kv.cache.k[0].sharding.device_set} == {2, 3}
+    assert {d.id for d in b.state.cache.k[0].sharding.device_set} == {2, 3}
     assert llm.balancer.outstanding == [0, 0] and all_free(a) and all_free(b)
 
 
@@ -133,5 +133,5 @@ def test_smollm2_tp3_matches_one_device():
     one = [o.outputs[0].token_ids for o in LLM(**kw).generate(ps, sp, use_tqdm=False)]
     llm = LLM(tensor_parallel_size=3, **kw)
     assert [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)] == one
-    k = llm.llm_engine.kv.cache.k[0]
+    k = llm.llm_engine.state.cache.k[0]
     assert [s.data.shape[0] for s in k.addressable_shards] == [1, 1, 1]  # a KV head each

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from paged_jax.models.testing import byte_tokenizer
-from paged_jax.workloads import (
+from paged_jax.study.workloads import (
     ALPACA,
     SHAREGPT,
     arrivals,

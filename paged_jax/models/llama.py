@@ -37,11 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels.pages import Pages
-from paged_jax import kv_cache as kv_lib
-from paged_jax import kv_quant
-from paged_jax import parallel as tp_lib
-from paged_jax.attention import paged_attention
-from paged_jax.kv_cache import KVCache
+from paged_jax.cache import kv_cache as kv_lib
+from paged_jax.cache import kv_quant
+from paged_jax.cache.kv_cache import KVCache
+from paged_jax.models import parallel as tp_lib
+from paged_jax.models.attention import paged_attention
 from paged_jax.models.config import ModelConfig
 from paged_jax.types import Array, Float, Int
 
@@ -148,7 +148,7 @@ def attention_block(
     `kv` is this layer's (K, V) pages (KVCache.layer); `rot` the (cos, sin) of
     `rope_tables`; `attn` the static keyword arguments of `paged_attention` (max_q, backend,
     max_q_rows, decode_pages, window, scale), and "tp": under tensor parallelism (inside
-    shard_map, paged_jax/parallel.py) the heads here are this device's, and the output
+    shard_map, paged_jax/models/parallel.py) the heads here are this device's, and the output
     projection's partial sums are added over the mesh.
     """
     tp = attn.pop("tp", False)
@@ -233,7 +233,7 @@ def forward(
     tp: bool = False,
     with_hidden: bool = False,
 ) -> tuple[Logits | tuple[Logits, Float[Array, "S E"]], KVCache]:
-    """One decoder pass over a ragged batch (semantics of `paged_jax.attention`).
+    """One decoder pass over a ragged batch (semantics of `paged_jax.models.attention`).
 
     Args:
       params: the model pytree, either form (module docstring); its dtype is the compute dtype.
@@ -245,7 +245,7 @@ def forward(
       max_q: static bound on queries per sequence (1 for decode).
       backend: paged-attention backend, "reference" or "pallas".
       all_logits: return logits for every token instead of each sequence's last one.
-      max_q_rows, decode_pages: static hints of `paged_jax.attention.paged_attention`.
+      max_q_rows, decode_pages: static hints of `paged_jax.models.attention.paged_attention`.
       tp: one device's share under tensor parallelism (inside `parallel.shard_forward`;
         `config` is then `parallel.local_config`): params and cache are this device's.
       with_hidden: also return each sequence's last-token hidden state (after the final

@@ -66,7 +66,7 @@ class Tokenizer:
         return "" if i is None else (self.backend.id_to_token(i) or "")
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+        self, messages: list, add_generation_prompt: bool = True,
         chat_template: str | None = None,
     ) -> str:
         """Renders `messages` with a jinja chat template (as transformers does): `chat_template`
@@ -74,6 +74,7 @@ class Tokenizer:
         template = chat_template or self.chat_template
         if not template:
             raise ValueError("this checkpoint has no chat template; pass chat_template=...")
+        check_messages(messages)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent)
         env.globals["raise_exception"] = _raise
@@ -81,6 +82,21 @@ class Tokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.token(self.bos_token_id), eos_token=self.token(self.eos_token_id),
         )
+
+
+def check_messages(messages: list) -> None:
+    """A clear error for a conversation a template cannot render (jinja's own is cryptic)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', "
+                             f"got {type(m).__name__}")
+        for key in ("role", "content"):
+            if key not in m:
+                raise ValueError(f"messages[{i}] has no {key!r} (keys: {sorted(m)})")
+        if not isinstance(m["role"], str):
+            raise ValueError(f"messages[{i}]['role'] must be a string, got {m['role']!r}")
 
 
 def _raise(msg: str) -> None:

@@ -4,7 +4,7 @@
     features.py  what the router sees: the weak model's first-token logprobs and last hidden
                  state, + prompt features
     head.py      the complexity classifier (averaged optax MLPs over named features and PCA
-                 of the hidden state, calibrated), saved with orbax
+                 of the hidden state, calibrated), saved as .npz
     train.py     `python -m paged_jax.routing.train`: labels, features, splits, the inputs
                  chosen by leave-one-family-out, heads
     curves.py    quality vs strong-model share per policy; cost saved at 95% quality

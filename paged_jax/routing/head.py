@@ -15,8 +15,9 @@ time (`calibration` measures it). The router sends a request to the strong model
 expected gain p_strong - p_weak is above a threshold, picked for a target share of
 strong-model traffic (`threshold_for_share`).
 
-Saved with orbax-checkpoint (arrays) beside a JSON file (names, metrics); prediction is numpy,
-so choosing a model costs microseconds, not a device call.
+Saved as a numpy .npz (a few KB of arrays) beside a JSON file (names, metrics); prediction
+is numpy, so choosing a model costs microseconds, not a device call, and loading a head needs
+no checkpoint library.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 
 HIDDEN = 16
 TRAINED = Path(__file__).parent / "trained"  # what `python -m paged_jax.routing.train` writes
@@ -180,14 +180,13 @@ def threshold_for_share(gain: np.ndarray, share: float) -> float:
 
 
 def save(head: Head, folder: str | Path) -> Path:
-    """Writes the head to `folder`: arrays with orbax (folder/arrays), the rest as JSON."""
+    """Writes the head to `folder`: its arrays (folder/arrays.npz) and the rest as JSON."""
     folder = Path(folder).absolute()
     folder.mkdir(parents=True, exist_ok=True)
     tree = {**head.params, "mean": head.mean, "std": head.std, "temperature": head.temperature}
-    if head.components.size:  # orbax refuses empty arrays
+    if head.components.size:
         tree.update(center=head.center, components=head.components)
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(folder / "arrays", {k: np.asarray(v) for k, v in tree.items()}, force=True)
+    np.savez(folder / "arrays.npz", **{k: np.asarray(v) for k, v in tree.items()})
     (folder / "head.json").write_text(json.dumps(
         dict(names=list(head.names), metrics=head.metrics, hidden=HIDDEN,
              columns=None if head.columns is None else list(head.columns)), indent=1) + "\n")
@@ -201,8 +200,8 @@ def load(folder: str | Path | None = None) -> Head:
         raise FileNotFoundError(f"no trained router head in {folder}; build one with "
                                 "`python -m paged_jax.routing.train`")
     meta = json.loads((folder / "head.json").read_text())
-    with ocp.StandardCheckpointer() as ckpt:
-        tree = {k: np.asarray(v) for k, v in ckpt.restore(folder / "arrays").items()}
+    with np.load(folder / "arrays.npz") as arrays:
+        tree = dict(arrays)
     params = {k: tree[k] for k in ("w1", "b1", "w2", "b2")}
     cols = meta.get("columns")
     return Head(params, tree["mean"], tree["std"], tree["temperature"], tuple(meta["names"]),

@@ -2,7 +2,7 @@
 `balance.py` does to latency and throughput.
 
 Every replica is a real engine with its own KV pool and its own clock, advanced by each step's
-roofline time on the paper's GPU (paged_jax/cost_model.py), so replicas run in parallel as
+roofline time on the paper's GPU (paged_jax/study/cost_model.py), so replicas run in parallel as
 separate GPUs would: the dispatcher steps whichever busy replica is furthest behind, and hands
 an arrival to the balancer once every busy replica has caught up with it. Requests wait in a
 replica's queue when it is busy; none is dropped (`lost` counts any that never finished).
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from paged_jax.cost_model import GpuCostModel
 from paged_jax.engine import Engine
-from paged_jax.metrics import kv_snapshot
-from paged_jax.routing.balance import Balancer
-from paged_jax.workloads import WorkItem
+from paged_jax.engine.balance import Balancer
+from paged_jax.study.cost_model import GpuCostModel
+from paged_jax.study.metrics import kv_snapshot
+from paged_jax.study.workloads import WorkItem
 
 GPU = GpuCostModel()
 

@@ -40,7 +40,7 @@ def queued_tokens(engine: Engine) -> int:
 
 def estimate(engine: Engine, prompt_tokens: int) -> Estimate:
     """TTFT and TPOT a new request of `prompt_tokens` would see on this engine now."""
-    recent = [s for s in engine.stats[-RECENT:] if s.duration > 0]
+    recent = [s for s in list(engine.stats)[-RECENT:] if s.duration > 0]
     steps = [s for s in recent if s.kind == "step" and s.num_tokens]
     windows = [s for s in recent if s.kind == "window" and s.num_steps]
     ttft = tpot = None

@@ -14,7 +14,7 @@
    saw, and the candidate with the largest mean quality over random routing wins (so the
    choice is made for questions of a new kind, and never looks at the held-out part).
 
-Writes paged_jax/routing/trained/: `data` (orbax: features, labels, family and difficulty
+Writes paged_jax/routing/trained/: `data.npz` (features, labels, family and difficulty
 per item), `head` (the router's), and `metrics.json` (accuracies, calibration error, costs).
 """
 
@@ -28,9 +28,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
-from paged_jax.cost_model import GpuCostModel
 from paged_jax.llm import LLM
 from paged_jax.routing import curves as cv
 from paged_jax.routing import features as feat
@@ -38,6 +36,7 @@ from paged_jax.routing import head as head_lib
 from paged_jax.routing import likelihood as lk
 from paged_jax.routing.tasks import FAMILIES, Item, make_items
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.study.cost_model import GpuCostModel
 
 TRAINED = head_lib.TRAINED
 FAMILY_TEST = ("lookup", "reverse")  # held out by the family split
@@ -127,7 +126,7 @@ def probe_seconds(weak: LLM, n: int) -> float:
 
 
 def modeled_seconds(llm: LLM, prompt_tokens: float, output_tokens: float) -> float:
-    """A request's roofline seconds on the paper's GPU (paged_jax/cost_model.py) with this
+    """A request's roofline seconds on the paper's GPU (paged_jax/study/cost_model.py) with this
     model's size: one prefill pass, then one pass per further output token (batch 1)."""
     n = sum(x.size for x in jax.tree.leaves(llm.llm_engine.params))
     gpu = GpuCostModel(name="fp16 roofline", weight_bytes=2.0 * n, parameters=float(n))
@@ -185,14 +184,13 @@ def build(weak: LLM, strong: LLM, items: list[Item]) -> dict:
 
 
 def save(data: dict, items: list[Item], folder: Path = TRAINED) -> None:
-    """Writes the training data (orbax), the random split's head, and metrics.json."""
+    """Writes the training data (data.npz), the random split's head, and metrics.json."""
     folder = folder.absolute()
     folder.mkdir(parents=True, exist_ok=True)
     arrays = dict(x=data["x"], y=data["y"],
                   family=np.array([list(FAMILIES).index(it.family) for it in items]),
                   difficulty=np.array([it.difficulty for it in items]))
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(folder / "data", arrays, force=True)
+    np.savez_compressed(folder / "data.npz", **arrays)
     head_lib.save(data["heads"]["random"], folder / "head")
     metrics = dict(models=MODELS, items=len(items), accuracy=data["accuracy"], cost=data["cost"],
                    features=[*feat.NAMES, "hidden state"], families=list(FAMILIES),

@@ -58,10 +58,10 @@ class ServerMetrics:
 
     def after_step(self, engine: Engine, outs: list[RequestOutput]) -> None:
         """Gauges from the engine's state; request metrics of the requests that finished."""
-        m, sched, kv = self.model, engine.scheduler, engine.kv
+        m, sched = self.model, engine.scheduler
         self.running.labels(m).set(len(sched.running))
         self.waiting.labels(m).set(len(sched.waiting))
-        self.kv_usage.labels(m).set(kv.blocks_used() / max(1, kv.config.usable_blocks))
+        self.kv_usage.labels(m).set(engine.kv.usage())
         for out in outs:
             if out.finished:
                 self.finished(out)

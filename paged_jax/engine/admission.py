@@ -1,0 +1,42 @@
+"""Admission order for the waiting queue, and how often each request was passed over.
+
+    fcfs          first come first served (preempted requests first: they hold slots)
+    cache-aware   longest cached prefix first (SGLang's LPM), no request passed over more
+                  than `max_skips` times
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from paged_jax.engine.sequence import Request
+
+
+def cache_aware_order(
+    waiting: list[Request], cached_len: Callable[[Request], int], skips: dict[str, int],
+    max_skips: int,
+) -> list[Request]:
+    """Admission order: longest cached prefix first (SGLang's LPM), bounded unfairness.
+
+    Preempted requests keep the front (they hold slots and were admitted before); then any
+    request passed over `max_skips` times, first come first served; then the rest by cached
+    prefix length, longest first, ties first come first served.
+    """
+    def key(ir: tuple[int, Request]) -> tuple:
+        i, r = ir
+        starved = skips.get(r.request_id, 0) >= max_skips
+        return (r.order < 0, not starved, 0 if starved else -cached_len(r), i)
+
+    return [r for _, r in sorted(enumerate(waiting), key=key)]
+
+
+def count_skips(waiting: list[Request], admitted: list[Request], skips: dict[str, int]) -> None:
+    """Every waiting request that arrived before an admitted one was passed over once more."""
+    if not admitted:
+        return
+    rank = {r.request_id: i for i, r in enumerate(waiting)}
+    last = max(rank.get(r.request_id, -1) for r in admitted)
+    taken = {r.request_id for r in admitted}
+    for r in waiting:
+        if rank[r.request_id] < last and r.request_id not in taken:
+            skips[r.request_id] = skips.get(r.request_id, 0) + 1

@@ -1,0 +1,248 @@
+"""Host side of a device call: pads a scheduler plan into device arrays and picks its static
+shape (`build`: a plan -> a Call, the runner's one jitted call).
+
+Every static shape the engine compiles comes from the bucket rules here, so a step costs what
+its work costs while the number of compiled programs stays small:
+
+    decode window (W decode steps, the hot loop):
+      rows R          next power of two of the running sequences (from 1)
+    ragged step (prefill chunks, admissions, forks; its cost is mostly its T tokens):
+      rows R          next power of two of the rows (sequences + n > 1 children), at least S/4
+      tokens T        decode-only: R; with prefill chunks: budget / 4 or budget (two buckets)
+      max_q           1 (decodes), T / 8 (every chunk short), or T
+      max_q_rows      1, 4 or R rows with more than one token (they come first)
+      admissions A    max_num_seqs entries
+    both:
+      pages           only for attention backends whose cost follows a page bucket (the jnp
+                      reference, Pallas): max_pages = next power of two of the longest row's
+                      pages (from 1, at most P); for the reference's flat decode list,
+                      decode_pages = next power of two of the single-token rows' pages
+                      together (a window counts them at its end). The CPU kernel walks each
+                      row's own pages and needs neither.
+      max_copies      0, or R when any row's last block may be shared (forks, prefix hits)
+      flags           the sampler features the rows' requests asked for (SampleFlags.of)
+      full_width      with prefix caching, the most blocks a row can fill: cdiv(max_q, K)
+                      for a step, cdiv(W, K) for a window (0 without: nothing reported)
+    ops               always sent (no-op arrays when nothing is queued): one program either way
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from paged_jax.cache.ops import KVOps, no_ops
+from paged_jax.engine.kv_manager import copies_on_write
+from paged_jax.engine.plan import Admit, Plan
+from paged_jax.engine.sequence import Sequence
+from paged_jax.engine.step import Admissions, StepBatch, StepShape
+from paged_jax.sample import sampler as smp
+from paged_jax.sizes import cdiv, next_pow2
+
+
+def page_bucket(num_tokens: int, ec) -> int:
+    """Static page count covering `num_tokens` tokens: a power of two, at most P."""
+    p = cdiv(ec.max_model_len, ec.block_size)
+    return min(next_pow2(cdiv(num_tokens, ec.block_size)), p)
+
+
+def decode_page_bucket(lengths: list[int], ec, rows: int) -> int:
+    """Flat page bucket of single-token rows of these lengths (at most rows x P)."""
+    p = cdiv(ec.max_model_len, ec.block_size)
+    return min(next_pow2(sum(cdiv(n, ec.block_size) for n in lengths)), rows * p)
+
+
+@dataclasses.dataclass
+class Call:
+    """A plan as one jitted call (the runner picks the program by `kind`).
+
+    Attributes:
+      kind: "step" (run_step), "window" (decode_window) or "ops" (run_ops).
+      rows: the sequence of each row, in row order (steps: long chunks first, then single
+        tokens, then n > 1 fork children).
+      ops: the allocator ops, always present.
+      shape: static bounds (None for "ops").
+      batch: the step's batch ("step").
+      window: (row_slots [R], tokens [R]) of a decode window ("window").
+      forks: (parent, children) pairs the step forks (n > 1 requests finishing their prompt).
+    """
+
+    kind: str
+    rows: list[Sequence]
+    ops: KVOps
+    shape: StepShape | None = None
+    batch: StepBatch | None = None
+    window: tuple[jax.Array, jax.Array] | None = None
+    forks: list[tuple[Sequence, list[Sequence]]] = dataclasses.field(default_factory=list)
+
+
+def build(plan: Plan, ec, eos_ids: list[int], vocab_size: int, backend: str) -> Call:
+    """The call that runs `plan` (see Call)."""
+    ops = build_ops(plan.ops, ec)
+    if not plan.chunks:
+        return Call("ops", [], ops)
+    if plan.window:
+        row_slots, tokens, shape, rows = build_window(plan, ec, backend)
+        return Call("window", rows, ops, shape, window=(row_slots, tokens))
+    batch, shape, forks, rows = build_step(plan, ec, eos_ids, vocab_size, backend)
+    if plan.flags is not None:
+        shape = dataclasses.replace(shape, flags=plan.flags)
+    own = np.zeros(batch.row_slots.shape[0], bool)
+    own[:len(rows)] = plan.owned  # padding rows own nothing
+    return Call("step", rows, ops, shape, dataclasses.replace(batch, ops=ops, own=own),
+                forks=forks)
+
+
+def build_ops(ops: dict[str, np.ndarray] | None, ec) -> KVOps:
+    """The plan's allocator ops as device arrays (no-ops when none are queued)."""
+    return KVOps(**(ops or no_ops(ec.num_kv_blocks, ec.max_num_seqs)))
+
+
+PAGED_COST_BACKENDS = ("reference", "pallas")
+"""Attention backends whose cost follows the static page buckets."""
+
+
+def _flags(rows: list[Sequence], ec) -> smp.SampleFlags:
+    reqs = {id(s.owner): s.owner for s in rows}.values()
+    return smp.SampleFlags.of([r.params for r in reqs], ec.max_logprobs)
+
+
+def _copies(chunks: list[tuple[Sequence, int]], ec, rows: int) -> int:
+    """Copy-on-write bound: all rows when any writes into a last block that may be shared
+    (as the KV manager counts them), else none."""
+    shared = any(copies_on_write(seq, c, ec.block_size) for seq, c in chunks)
+    return rows if shared else 0
+
+
+def build_admissions(
+    admits: list[Admit], ec, flags: smp.SampleFlags, eos_ids: list[int], vocab_size: int
+) -> Admissions:
+    """Admissions padded to max_num_seqs rows (numpy: the jitted call copies them in)."""
+    a, p = ec.max_num_seqs, cdiv(ec.max_model_len, ec.block_size)
+    slot = np.full(a, -1, np.int32)
+    new = np.zeros(a, bool)
+    hit_blocks, hit_tokens = np.zeros((a, p), np.int32), np.zeros(a, np.int32)
+    mask = np.zeros((a, vocab_size), bool) if flags.penalties else None
+    bias = np.zeros((a, vocab_size), np.float32) if flags.bias else None
+    items = []
+    for i, adm in enumerate(admits):
+        slot[i], new[i] = adm.seq.slot, adm.new_request
+        req = adm.seq.owner
+        items.append((req.params, eos_ids, adm.seed))
+        if adm.hit is not None:
+            hit_blocks[i, :len(adm.hit.blocks)] = adm.hit.blocks
+            hit_tokens[i] = adm.hit.num_tokens
+        if mask is not None:
+            mask[i, req.prompt_token_ids] = True
+        if bias is not None and req.params.has_logit_bias:
+            bias[i] = smp.bias_row(req.params, vocab_size, req.banned_ids)
+    arrays = dict(slot=slot, new_request=new, prompt_mask=mask, logit_bias=bias,
+                  hit_blocks=hit_blocks, hit_tokens=hit_tokens)
+    return Admissions(sampling=smp.sampling_rows(items, a, smp.MAX_STOP_IDS), **arrays)
+
+
+def build_step(
+    plan: Plan, ec, eos_ids: list[int], vocab_size: int, backend: str
+) -> tuple[StepBatch, StepShape, list[tuple[Sequence, list[Sequence]]], list[Sequence]]:
+    """Pads a plan into a StepBatch: long chunks first, then single tokens, then fork children.
+
+    Args:
+      plan: the scheduler's plan (its chunks and the slots it admits).
+      ec: the engine config.
+      eos_ids: the model's EOS ids (written into new requests' sampling rows).
+      vocab_size: V.
+      backend: the attention backend (decides whether page buckets matter).
+
+    Returns:
+      (batch, shape, forks [(parent, children)], rows: the sequence of each row).
+    """
+    chunks = sorted(plan.chunks, key=lambda c: c[1] == 1)
+    forks = [(seq, seq.owner.seqs[1:]) for seq, n in chunks
+             if seq.num_computed + n == len(seq.tokens) and seq.owner.params.n > 1
+             and not seq.owner.forked and seq.index == 0]
+    rows = [seq for seq, _ in chunks] + [c for _, cs in forks for c in cs]
+    r = next_pow2(len(rows), ec.max_num_seqs // 4)
+    total = sum(n for _, n in chunks)
+    num_long = sum(1 for _, n in chunks if n > 1)
+    top = next_pow2(ec.max_num_batched_tokens)
+    t = next_pow2(total, max(8, top // 4)) if num_long else r
+    t = top if num_long and t > top // 4 else t
+    tok, pos, rows_of = np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, -1, np.int32)
+    row_slots, qs, sample = np.full(r, -1, np.int32), np.zeros(r + 1, np.int32), np.zeros(r, bool)
+    o = 0
+    for i, (seq, n) in enumerate(chunks):
+        a = seq.num_computed
+        tok[o:o + n], pos[o:o + n], rows_of[o:o + n] = seq.tokens[a:a + n], np.arange(a, a + n), i
+        row_slots[i], sample[i] = seq.slot, a + n == len(seq.tokens)
+        o += n
+        qs[i + 1] = o
+    qs[len(chunks) + 1:] = o
+    row_of = {id(s): i for i, s in enumerate(rows)}
+    pairs = [(row_of[id(p)], row_of[id(c)], c.index) for p, cs in forks for c in cs]
+    for i, c in enumerate(rows[len(chunks):], start=len(chunks)):
+        row_slots[i], sample[i] = c.slot, True
+    f = next_pow2(len(pairs))
+    fs, fd, fi = (np.full(f, -1, np.int32) for _ in range(3))
+    for j, (a, b, c) in enumerate(pairs):
+        fs[j], fd[j], fi[j] = a, b, c
+    shape = _step_shape(chunks, t, r, rows, ec, backend)
+    next_ids = _next_ids(chunks, t)
+    if next_ids is not None:
+        shape = dataclasses.replace(shape, prompt_top=ec.max_logprobs)
+    if any(seq.wants_hidden(n) for seq, n in chunks):
+        shape = dataclasses.replace(shape, hidden=True)
+    arrays = (tok, pos, rows_of, row_slots, qs, sample, fs, fd, fi, next_ids)
+    admit = build_admissions(plan.admits, ec, shape.flags, eos_ids, vocab_size)
+    return StepBatch(*arrays[:-1], admit=admit, next_ids=arrays[-1]), shape, forks, rows
+
+
+def _next_ids(chunks: list[tuple[Sequence, int]], t: int) -> np.ndarray | None:
+    """[T] the prompt token after each token of rows that want prompt logprobs (-1 else);
+    None when no row in the step does."""
+    out, o = None, 0
+    for seq, n in chunks:
+        if seq.owner.params.prompt_logprobs is not None and seq.num_computed < seq.prompt_len:
+            out = np.full(t, -1, np.int32) if out is None else out
+            nxt = np.arange(seq.num_computed + 1, seq.num_computed + n + 1)
+            ok = nxt < seq.prompt_len
+            out[o:o + n] = np.where(ok, np.asarray(seq.tokens)[np.where(ok, nxt, 0)], -1)
+        o += n
+    return out
+
+
+def _step_shape(chunks, t: int, r: int, rows: list[Sequence], ec, backend: str) -> StepShape:
+    # Queries per long row: the whole bucket, or an eighth of it when every chunk is short
+    # (many small prefill chunks, e.g. after prefix-cache hits: the reference pads each row).
+    longest = max(n for _, n in chunks)
+    num_long = sum(1 for _, n in chunks if n > 1)
+    max_q = 1 if not num_long else max(1, t // 8) if longest <= t // 8 else t
+    long_rows = None if not num_long else 1 if num_long == 1 else 4 if num_long <= 4 else r
+    paged = backend in PAGED_COST_BACKENDS
+    full = cdiv(max_q, ec.block_size) if ec.enable_prefix_caching else 0
+    return StepShape(
+        max_q=max_q, max_q_rows=min(long_rows, r) if long_rows else None,
+        max_new_blocks=next_pow2(cdiv(max_q, ec.block_size) + 1),
+        max_copies=_copies(chunks, ec, r),
+        max_pages=page_bucket(max(s.num_computed + n for s, n in chunks), ec) if paged else None,
+        flags=_flags(rows, ec), full_width=full)
+
+
+def build_window(
+    plan: Plan, ec, backend: str
+) -> tuple[np.ndarray, np.ndarray, StepShape, list[Sequence]]:
+    """A decode window's rows: (row_slots [R], tokens [R], shape, rows)."""
+    rows = [seq for seq, _ in plan.chunks]
+    r, w = next_pow2(len(rows)), ec.decode_window
+    row_slots, tokens = np.full(r, -1, np.int32), np.zeros(r, np.int32)
+    for i, seq in enumerate(rows):
+        row_slots[i], tokens[i] = seq.slot, seq.tokens[-1]
+    ends = [seq.num_computed + w for seq in rows]
+    flat = backend == "reference"
+    shape = StepShape(
+        max_q=1, max_copies=_copies(plan.chunks, ec, r),
+        max_pages=page_bucket(max(ends), ec) if backend == "pallas" else None,
+        decode_pages=decode_page_bucket(ends, ec, r) if flat else None, flags=_flags(rows, ec),
+        full_width=cdiv(w, ec.block_size) if ec.enable_prefix_caching else 0)
+    return row_slots, tokens, shape, rows

@@ -1,0 +1,78 @@
+"""The engine's knobs: frozen and hashable (safe to pass as static arguments to jax.jit)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from paged_jax.cache import kv_quant
+from paged_jax.cache.config import CacheConfig
+from paged_jax.sizes import cdiv
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs (vLLM's names where they exist).
+
+    Attributes:
+      block_size: tokens per KV block.
+      num_kv_blocks: blocks in the pool (block 0 is the reserved zero block).
+      max_num_seqs: sequence slots, the most sequences in a step.
+      max_num_batched_tokens: token budget of a step.
+      max_model_len: longest prompt + output.
+      preemption_mode: "recompute" or "swap".
+      decode_window: decode steps per device call when only decodes run (1 = every step).
+      backend: attention backend; None picks by platform.
+      max_logprobs: the most top logprobs a request may ask for (static).
+      seed: engine seed, used for requests without their own.
+      enable_prefix_caching: reuse cached full blocks across requests (prefix_cache.py).
+      admission: "fcfs", or "cache-aware" (longest cached prefix first; needs caching).
+      max_skips: cache-aware admission passes a request over at most this many times.
+      swap_space: bytes of host memory for swapped-out K/V (swap mode); a preemption that
+        would exceed it recomputes instead.
+      kv_cache_dtype: how K/V are stored (vLLM's name): "auto" (the model's dtype),
+        "float32", "bfloat16", "int8", "fp8" (e4m3) or "fp8_e5m2"; int8 / fp8 keep a float32
+        scale per 32 values of a token and KV head (paged_jax/cache/kv_quant.py); every
+        attention backend reads them.
+      tensor_parallel_size: devices the model and its KV pool are split over (heads, MLP
+        width, vocabulary; paged_jax/models/parallel.py); 1 = one device.
+      first_device: the engine runs on devices first_device .. + tensor_parallel_size - 1
+        (data-parallel replicas take consecutive ranges).
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int = 512
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 1024
+    preemption_mode: str = "recompute"
+    decode_window: int = 8
+    backend: str | None = None
+    max_logprobs: int = 0
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    admission: str = "fcfs"
+    max_skips: int = 8
+    swap_space: int = 4 << 30
+    kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    first_device: int = 0
+
+    def __post_init__(self) -> None:
+        kv_quant.storage_dtype(self.kv_cache_dtype, "float32")  # a clear error if unknown
+        if self.admission not in ("fcfs", "cache-aware"):
+            raise ValueError(f"admission must be 'fcfs' or 'cache-aware', got {self.admission!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', "
+                             f"got {self.preemption_mode!r}")
+        if self.max_model_len > self.max_num_batched_tokens * 1024:
+            raise ValueError("max_model_len is implausibly large for the token budget")
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
+                     "max_model_len", "decode_window", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def cache(self) -> CacheConfig:
+        return CacheConfig(num_blocks=self.num_kv_blocks, block_size=self.block_size,
+                           max_seqs=self.max_num_seqs,
+                           max_blocks_per_seq=cdiv(self.max_model_len, self.block_size))

@@ -1,0 +1,241 @@
+"""The engine loop: one step = schedule -> run -> update.
+
+    add_request  -> engine/input.py (parse, check)  -> Scheduler.waiting
+    step():  plan = scheduler.schedule()             host: who runs, admissions, queued ops
+             out  = runner.run(plan)                 one jitted call, one device -> host read
+             scheduler.update_from_output(plan, out) the one place results land
+             -> a RequestOutput per request with news
+
+Who owns what: the scheduler the queues, sequence states and a step's results; the KV
+manager every host fact of the KV cache (slots, free counts, prefix cache, queued ops); the
+runner the parameters, the device state and the compiled programs. An engine that runs out
+of work applies the ops it still owes (releases of the last finished sequences) at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+from paged_jax.engine import input as inp
+from paged_jax.engine.config import EngineConfig
+from paged_jax.engine.kv_manager import KVManager
+from paged_jax.engine.plan import Plan
+from paged_jax.engine.policy import Policy
+from paged_jax.engine.runner import Runner, StepOutput
+from paged_jax.engine.scheduler import Scheduler, SchedulerConfig
+from paged_jax.engine.sequence import Request, Sequence
+from paged_jax.models import ModelConfig, Params
+from paged_jax.outputs import RequestOutput
+from paged_jax.sample.sampler import SampleFlags
+from paged_jax.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from paged_jax.models.tokenizer import Tokenizer
+
+__all__ = ["Engine", "EngineConfig", "StepStats"]
+
+RECENT_STEPS = 256
+"""Steps `Engine.stats` keeps (latency estimates read the recent ones); a long-running
+server holds no more. Experiments that want every step set `Engine.recorder` to a list."""
+
+
+@dataclasses.dataclass
+class StepStats:
+    """One engine step, for experiments."""
+
+    time: float
+    duration: float
+    kind: str  # "step", "window", "ops" or "idle"
+    num_tokens: int
+    num_steps: int
+    running: int
+    waiting: int
+    blocks_used: int
+    preempted: int
+    device: float = 0.0  # seconds inside the jitted call + the one device -> host read
+
+
+class Engine:
+    """Continuous batching over the paged KV cache for one model.
+
+    Args:
+      config: the model's config.
+      params: its parameters.
+      tokenizer: None runs on token ids only (vLLM's skip_tokenizer_init).
+      engine_config: the engine's knobs.
+      policy: admission policy (default: on-demand paging; the paper's baselines are in
+        paged_jax/study/reservation.py).
+      check: after every step, assert the KV manager's host mirror equals the device
+        (a device -> host read per step: for tests).
+    """
+
+    def __init__(self, config: ModelConfig, params: Params, tokenizer: Tokenizer | None,
+                 engine_config: EngineConfig, policy: Policy | None = None,
+                 check: bool = False):
+        self.model_config, self.tokenizer, self.config = config, tokenizer, engine_config
+        ec, self.check = engine_config, check
+        self.runner = Runner(config, params, ec)
+        self.kv = KVManager(ec.cache, self.runner.block_bytes, self.runner,
+                            prefix_caching=ec.enable_prefix_caching,
+                            swap=ec.preemption_mode == "swap", swap_space=ec.swap_space)
+        self.scheduler = Scheduler(
+            SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.block_size,
+                            ec.admission, ec.max_skips, ec.decode_window, ec.seed),
+            self.kv, policy, tokenizer)
+        self.requests: dict[str, Request] = {}
+        self.stats: collections.deque[StepStats] = collections.deque(maxlen=RECENT_STEPS)
+        self.recorder: list[StepStats] | None = None
+
+    @property
+    def state(self):
+        """Everything on the device (EngineState), as the step programs take it."""
+        return self.runner.state
+
+    @property
+    def params(self) -> Params:
+        return self.runner.params
+
+    @property
+    def prefix(self):
+        """The prefix cache (None when prefix caching is off)."""
+        return self.kv.prefix
+
+    @property
+    def refused_steps(self) -> int:
+        return self.scheduler.refused_steps
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queues a request; raises ValueError when it can never be served."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        req = inp.make_request(request_id, prompt, params or SamplingParams(), self.tokenizer,
+                               self.config, self.model_config,
+                               arrival_time if arrival_time is not None else time.time())
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        """Drops a request wherever it is and frees everything it holds."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.abort(req)
+            self.settle()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled step (or decode window); returns outputs of touched requests."""
+        t0, preempted = time.perf_counter(), self.scheduler.num_preempted
+        plan = self.scheduler.schedule()
+        out = None if plan.empty else self.runner.run(plan)
+        touched = self.scheduler.update_from_output(plan, out)
+        self.settle()
+        self._record(t0, plan, out, preempted)
+        return [self._output(r) for r in touched]
+
+    def settle(self) -> None:
+        """An idle engine applies the allocator ops it still owes (an ops-only call), so its
+        pool is exact between bursts; a busy one sends them with its next step."""
+        if not self.scheduler.has_work() and self.kv.has_ops():
+            out = self.runner.run(Plan(ops=self.kv.take_ops()))
+            self.kv.update_from_output([], out)
+        if self.check:
+            self.kv.check()
+
+    # ---- sequences the caller drives (beam search) -----------------------------------------
+    def compute(self, seqs: list[Sequence], top_logprobs: int) -> list[list[tuple[int, float]]]:
+        """Computes the pending tokens of sequences outside the scheduler, greedily.
+
+        For callers that pick every next token themselves (beam search): runs ragged steps of
+        at most max_num_batched_tokens tokens until each sequence's K/V is cached, and returns
+        each one's top `top_logprobs` next tokens as (token id, logprob), best first.
+        Sequences without a slot get one. Their blocks are not registered in the prefix cache.
+
+        Raises:
+          ValueError: a sequence has no pending token.
+          RuntimeError: sequence slots or KV blocks ran out.
+        """
+        if any(s.num_pending == 0 for s in seqs):
+            raise ValueError("every sequence passed to compute needs a pending token")
+        if not self.kv.can_allocate(seqs):
+            raise RuntimeError(f"{len(seqs)} sequences need free slots; raise max_num_seqs")
+        self.kv.allocate(seqs)
+        admits, _ = self.kv.bring_live(seqs)
+        flags = SampleFlags(random=False, filters=False, penalties=False, logprobs=True,
+                            num_top_logprobs=top_logprobs, bias=False)
+        top: dict[int, list[tuple[int, float]]] = {}
+        while pending := [s for s in seqs if s.num_pending]:
+            out = self._compute_step(pending, admits, flags)
+            admits = []
+            for i, seq in enumerate(out.rows):
+                if out.valid[0, i]:
+                    top[id(seq)] = list(zip(out.top_ids[0, i].tolist(),
+                                            out.top_logprobs[0, i].tolist(), strict=True))
+        return [top[id(s)] for s in seqs]
+
+    def _compute_step(self, pending: list[Sequence], admits: list,
+                      flags: SampleFlags) -> StepOutput:
+        budget, chunks = self.config.max_num_batched_tokens, []
+        for s in pending:
+            if (n := min(s.num_pending, budget)) > 0:
+                chunks.append((s, n))
+                budget -= n
+        self.kv.room_for(chunks, decode_only=False)
+        plan = Plan(chunks=chunks, admits=admits, ops=self.kv.take_ops(), flags=flags,
+                    owned=False)
+        out = self.runner.run(plan)
+        counts = {id(s): n for s, n in chunks}
+        self.kv.update_from_output([(s, counts.get(id(s), 0)) for s in out.rows] if out.ok
+                                   else [], out, owned=False)
+        if not out.ok:
+            raise RuntimeError("the KV cache cannot hold these sequences")
+        return out
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Children share all of `parent`'s blocks (copy-on-write); each gets its own slot.
+
+        Their device sampling rows are not written (they keep the slot's last user's): fine
+        for `compute`, which samples greedily from raw logits, without bias or penalties.
+        """
+        self.kv.fork(parent, children)
+
+    def release(self, seqs: list[Sequence]) -> None:
+        """Frees the blocks and slots of sequences outside the scheduler (queued for the next
+        call; `settle` applies them when nothing else runs)."""
+        self.scheduler.free(seqs)
+
+    # ---- outputs -------------------------------------------------------------------------
+    def _output(self, req: Request) -> RequestOutput:
+        if req.finished:
+            self.requests.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=[s.completion() for s in req.seqs], finished=req.finished,
+            metrics=req.metrics, num_cached_tokens=req.num_cached_tokens,
+            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+            hidden_states=req.hidden_states, num_preemptions=req.num_preemptions)
+
+    def _record(self, t0: float, plan: Plan, out: StepOutput | None, preempted: int) -> None:
+        kind = "idle" if out is None else out.kind
+        steps = out.steps if out is not None and out.ok else 0
+        tokens = plan.num_tokens if kind == "step" else steps * len(plan.chunks)
+        st = StepStats(
+            time=time.time(), duration=time.perf_counter() - t0, kind=kind,
+            num_tokens=tokens if steps else 0, num_steps=steps,
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            blocks_used=self.kv.blocks_used(),
+            preempted=self.scheduler.num_preempted - preempted,
+            device=out.seconds if out is not None else 0.0)
+        self.stats.append(st)
+        if self.recorder is not None:
+            self.recorder.append(st)

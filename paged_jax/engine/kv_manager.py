@@ -1,0 +1,379 @@
+"""The host's one owner of KV-cache facts (vLLM V1's KVCacheManager, nano-vllm's BlockManager).
+
+The device holds the block pool, the page tables and the K/V (pytrees in the runner's
+EngineState, changed only by the pure functions of paged_jax/cache). Every host fact about
+them is written here and nowhere else:
+
+    num_free       the device free stack's size after the last call (that call's output)
+    free_slots     page-table rows no sequence owns; `owners`: slot -> its sequence
+    slot_live      rows live on the device once the next call's ops and admissions apply
+    prefix         the prefix cache: hashes of full blocks, LRU queue of cached-free blocks
+    queued ops     allocator work for the next call: releases, evictions, forks
+    on a Sequence  slot, num_computed, maybe_shared_last, swapped, prefix_hit, block_hashes
+    swapped_bytes  host memory held by swapped-out K/V
+
+No device -> host read happens for bookkeeping. The device settles what it can decide
+itself in the call that decides it (step.settle: a sequence that stops on a stop token or
+at max_tokens is released; newly full blocks are marked cached). What only the host knows
+(stop strings, aborts, preemptions, evictions, beam-search forks) travels in the next call
+(cache/ops.py). Each call's one output brings back the free count, the blocks that became
+full and (with prefix caching) the refcounts.
+
+    plan time   free_total() = confirmed free stack + evictable + queued evictions
+                pending_free() = what queued releases may give back (an upper bound: a
+                  block shared with a live sequence stays held); counted once confirmed
+                make_room / bring_live / take_ops
+    after       update_from_output(advanced, out): counts, flags, registrations
+    freeing     free(seqs) (finish, abort; slots returned) and preempt(seqs) (slots kept)
+
+`check(device)` asserts this mirror equals the device pytrees (tests call it every step).
+Terms: a *slot* is a sequence's row of the page table; a *block* is a page of the pool.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from paged_jax.cache.config import CacheConfig
+from paged_jax.cache.invariants import InvariantError, check_invariants
+from paged_jax.cache.ops import no_ops
+from paged_jax.cache.prefix_cache import Hit, PrefixCache
+from paged_jax.engine.plan import Admit
+from paged_jax.engine.sequence import Request, Sequence
+from paged_jax.sizes import cdiv
+
+
+def copies_on_write(seq: Sequence, n: int, block_size: int) -> bool:
+    """Whether writing `n` more tokens may copy the sequence's last block first: it is partly
+    filled and may be shared (a fork, or a prefix hit that ends inside it)."""
+    return bool(seq.maybe_shared_last and seq.num_computed % block_size and n > 0)
+
+
+class Device(Protocol):
+    """What the KV manager reads of the device outside calls (swap-outs, checks)."""
+
+    def read_blocks(self, slot: int, num_blocks: int) -> tuple[np.ndarray, ...]: ...
+    def snapshot(self) -> dict[str, np.ndarray]: ...
+
+
+class KVManager:
+    """Host facts of one engine's KV cache (see the module docstring).
+
+    Args:
+      cc: pool and page-table shape.
+      block_bytes: bytes of one block's K/V over all layers (swap-space accounting).
+      device: the runner (swap-outs and `check` read through it).
+      prefix_caching: keep full blocks for reuse across requests (cache/prefix_cache.py).
+      swap: preemption copies a sequence's blocks to the host instead of dropping them.
+      swap_space: bytes of host memory swapped-out blocks may take; past it, a preempted
+        sequence is recomputed instead (nothing is lost either way).
+    """
+
+    def __init__(self, cc: CacheConfig, block_bytes: int, device: Device | None = None, *,
+                 prefix_caching: bool = True, swap: bool = False, swap_space: int = 4 << 30):
+        self.config, self.device, self.block_bytes = cc, device, block_bytes
+        self.swap, self.swap_space, self.swapped_bytes = swap, swap_space, 0
+        self.num_free = cc.usable_blocks
+        self.free_slots: list[int] = list(range(cc.max_seqs - 1, -1, -1))
+        self.owners: dict[int, Sequence] = {}
+        self.slot_live = np.zeros(cc.max_seqs, bool)
+        self.prefix = PrefixCache(cc.block_size) if prefix_caching else None
+        self._reset_ops()
+        self._in_flight: list[tuple[Sequence, int]] = []  # releases sent, not yet confirmed
+        self._device_released: set[int] = set()  # slots the last call released itself
+        self._copied = False  # a prefix hit's last block is copied in the next call
+
+    def _reset_ops(self) -> None:
+        self._release: dict[int, tuple[Sequence, int]] = {}  # slot -> (sequence, tokens held)
+        self._evict: list[int] = []  # LRU victims: cached-free, back on the stack
+        self._unmark: list[int] = []  # blocks marked cached that the prefix cache does not keep
+        self._forks: list[tuple[int, int]] = []
+        self._release_hi = 0  # blocks the queued releases may free, at most
+
+    # ---- capacity ------------------------------------------------------------------------
+    def free_total(self) -> int:
+        """Blocks a plan may use now: the confirmed free stack, evictable cached-free blocks,
+        and evictions queued for the next call."""
+        evictable = len(self.prefix.evictable) if self.prefix else 0
+        return self.num_free + evictable + len(self._evict)
+
+    def pending_free(self) -> int:
+        """Blocks queued releases may give back once the device confirms them (at most)."""
+        return self._release_hi
+
+    def blocks_used(self) -> int:
+        """Blocks held by sequences (cached-free blocks count as free, as in vLLM; blocks a
+        queued release frees count as held until the device has freed them)."""
+        return self.config.usable_blocks - self.free_total()
+
+    def usage(self) -> float:
+        """Share of the pool's blocks in use (vLLM's kv_cache_usage_perc)."""
+        return self.blocks_used() / max(1, self.config.usable_blocks)
+
+    def blocks_needed(self, seq: Sequence, n: int) -> int:
+        """Upper bound on the blocks `seq` gains by computing `n` more tokens (copy included)."""
+        k = self.config.block_size
+        have = cdiv(seq.num_computed, k)
+        restore = have if seq.swapped is not None else 0  # swapped blocks come back first
+        grow = cdiv(seq.num_computed + n, k) - have
+        return restore + grow + int(copies_on_write(seq, n, k))
+
+    def has_ops(self) -> bool:
+        return bool(self._release or self._evict or self._unmark or self._forks)
+
+    # ---- slots ---------------------------------------------------------------------------
+    def can_allocate(self, seqs: list[Sequence]) -> bool:
+        """Whether every sequence without a slot can get one now."""
+        return sum(s.slot < 0 for s in seqs) <= len(self.free_slots)
+
+    def allocate(self, seqs: list[Sequence]) -> None:
+        """Gives every sequence without a slot one (held until it is freed)."""
+        for s in seqs:
+            if s.slot < 0:
+                s.slot = self.free_slots.pop()
+                self.owners[s.slot] = s
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def cached_tokens(self, ids: list[int]) -> int:
+        """Prompt tokens the prefix cache would serve for a prompt (0 without caching)."""
+        if self.prefix is None or len(ids) < 2:
+            return 0
+        return self.prefix.lookup(Sequence(0, list(ids), len(ids))).num_tokens
+
+    def try_hit(self, req: Request) -> Hit | None:
+        """Starts a fresh request's first sequence at its cached prefix, tentatively
+        (`undo_hit` if it is not admitted). Requests that want prompt logprobs compute
+        every prompt token, so they never hit."""
+        seq = req.seqs[0]
+        if self.prefix is None or not self.fresh(req) or req.params.prompt_logprobs is not None:
+            return None
+        hit = self.prefix.lookup(seq)
+        if not hit.blocks:
+            return None
+        seq.num_computed = hit.num_tokens
+        seq.maybe_shared_last = hit.num_tokens % self.config.block_size != 0  # copy counted
+        seq.prefix_hit = hit
+        return hit
+
+    def undo_hit(self, seq: Sequence) -> None:
+        seq.num_computed, seq.maybe_shared_last, seq.prefix_hit = 0, False, None
+
+    def admit_hit(self, req: Request, hit: Hit | None, first_time: bool) -> None:
+        """The admitted request's hit blocks are in use (no longer evictable); a request's
+        first admission counts toward the hit rate, as vLLM reports it."""
+        if self.prefix is None:
+            return
+        if first_time:
+            req.num_cached_tokens = hit.num_tokens if hit else 0
+            self.prefix.count(len(req.seqs[0].tokens), req.num_cached_tokens)
+        if hit:
+            self.prefix.acquire(hit)
+
+    @staticmethod
+    def fresh(req: Request) -> bool:
+        """A request whose single sequence holds no K/V (new, or preempted by recompute)."""
+        s = req.seqs[0]
+        return not req.forked and s.num_computed == 0 and s.swapped is None
+
+    # ---- before a call -------------------------------------------------------------------
+    def make_room(self, blocks: int) -> None:
+        """Queues evictions of cached-free blocks (least recently used first) until the
+        device free stack will hold `blocks`, or the prefix cache has nothing left."""
+        have = self.num_free + len(self._evict)
+        if self.prefix is None or blocks <= have:
+            return
+        self._evict += self.prefix.evict(blocks - have)
+
+    def room_for(self, chunks: list[tuple[Sequence, int]], decode_only: bool) -> None:
+        """make_room for a plan. A decode window may grow every sequence once more inside
+        the loop, so it gets one block of headroom per sequence."""
+        need = sum(self.blocks_needed(s, n) for s, n in chunks)
+        self.make_room(max(need, len(chunks)) if decode_only else need)
+
+    def settled(self, req: Request) -> bool:
+        """Whether none of the request's slots still has a release queued (a request
+        preempted in this plan comes back in a later one)."""
+        return all(s.slot not in self._release for s in req.seqs)
+
+    def bring_live(self, seqs: list[Sequence]) -> tuple[list[Admit], list[tuple]]:
+        """Slots going live in the next call: (admissions, with their prefix hits and no
+        seeds yet; swap-ins (slot, tokens, host K/V parts) the runner restores after the
+        call's ops)."""
+        admits, restores = [], []
+        for seq in seqs:
+            if self.slot_live[seq.slot]:
+                continue
+            self.slot_live[seq.slot] = True
+            if seq.swapped is not None:
+                restores.append((seq.slot, seq.num_computed, seq.swapped))
+                self.swapped_bytes -= sum(x.nbytes for x in seq.swapped)
+                seq.swapped = None
+                continue
+            hit, seq.prefix_hit = seq.prefix_hit, None
+            if hit is not None and hit.num_tokens % self.config.block_size:
+                self._copied = True  # the call copies the hit's last block: it may go free
+            admits.append(Admit(seq, False, 0, hit))
+        return admits, restores
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Queues forks that give each child a slot sharing all of `parent`'s blocks (beam
+        search; n > 1 requests fork inside their step). The first write into a shared, partly
+        filled last block copies it (copy-on-write)."""
+        if not self.can_allocate(children):
+            raise RuntimeError(f"{len(children)} forks need free sequence slots; "
+                               f"{len(self.free_slots)} left (raise max_num_seqs)")
+        self.allocate(children)
+        self.live_children(parent, children)
+        self._forks += [(parent.slot, c.slot) for c in children]
+
+    def live_children(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Children that now share the parent's blocks (forked in a step or queued)."""
+        shared = parent.num_computed % self.config.block_size != 0
+        parent.maybe_shared_last |= shared
+        for c in children:
+            c.num_computed, c.maybe_shared_last = parent.num_computed, shared
+            self.slot_live[c.slot] = True
+
+    def take_ops(self) -> dict[str, np.ndarray] | None:
+        """The queued ops as host arrays for the next call (None: nothing queued)."""
+        if not self.has_ops():
+            return None
+        cc = self.config
+        ops = no_ops(cc.num_blocks, cc.max_seqs)
+        ops["release"][list(self._release)] = True
+        ops["evict"][self._evict + self._unmark] = True
+        for i, (src, dst) in enumerate(self._forks):
+            ops["fork_src"][i], ops["fork_dst"][i] = src, dst
+        self._in_flight = list(self._release.values())
+        self._reset_ops()
+        return ops
+
+    # ---- after a call --------------------------------------------------------------------
+    def update_from_output(self, advanced: list[tuple[Sequence, int]], out,
+                           owned: bool = True) -> None:
+        """Takes a call's output: the free count; `advanced` (sequence, tokens computed, in
+        row order: out.full_blocks[i] is row i's) counted, their last blocks now private; for
+        rows the device settled (`owned`), the blocks it marked cached are registered in the
+        prefix cache, or queued for eviction if not kept (a duplicate, or past a stop
+        string), and the rows that stopped are noted as released (`free` then only does the
+        host's part); cached blocks that reached refcount 0 join the LRU queue."""
+        self.num_free = int(out.num_free)
+        gone, self._in_flight = self._in_flight, []
+        self._device_released = set()
+        for i, (seq, n) in enumerate(advanced):
+            before = seq.num_computed
+            seq.num_computed += n
+            if n:
+                seq.maybe_shared_last = False  # written: its last block is its own
+            if owned and self.prefix is not None and out.full_blocks.shape[1]:
+                self._register(seq, before, out.full_blocks[i])
+            if owned and out.finished[i] and seq.slot >= 0:
+                self._device_released.add(seq.slot)
+                gone.append((seq, seq.num_computed))
+        if self.prefix is not None and (gone or self._copied):
+            self.prefix.on_release(out.refcount, self._cached_blocks(gone))
+            self._copied = False
+
+    def _register(self, seq: Sequence, before: int, full: np.ndarray) -> None:
+        """Registers the blocks the device marked cached for `seq` (`full`: ids of its newly
+        full blocks, 0-padded); those it does not keep are queued for eviction (unmarked)."""
+        k = self.config.block_size
+        ids = [int(b) for b in full if b]
+        keep = ids[: seq.num_computed // k - before // k]  # not past what the host kept
+        new = self.prefix.register(seq, before // k, keep) if keep else []
+        self._unmark += [b for b in ids if b not in set(new)]
+
+    # ---- freeing -------------------------------------------------------------------------
+    def free(self, seqs: list[Sequence]) -> None:
+        """Frees finished or aborted sequences: their blocks (released in the next call,
+        unless the device already released them when they stopped), slots and swap space.
+        The one way a sequence's KV goes away for good."""
+        for s in seqs:
+            if s.slot in self._device_released:
+                self._device_released.discard(s.slot)
+                self.slot_live[s.slot] = False
+        self._release_blocks(seqs)
+        for s in seqs:
+            if s.swapped is not None:
+                self.swapped_bytes -= sum(x.nbytes for x in s.swapped)
+                s.swapped = None
+            if s.slot >= 0:
+                self.owners.pop(s.slot, None)
+                self.free_slots.append(s.slot)
+                s.slot = -1
+
+    def preempt(self, seqs: list[Sequence]) -> int:
+        """Preempts running sequences: their blocks are released in the next call (copied to
+        the host first in swap mode, while swap space lasts; otherwise they will be
+        recomputed). They keep their slots, so their sampling state survives.
+
+        Returns:
+          the blocks this may give back once confirmed (an upper bound; see pending_free).
+        """
+        hi = self._release_hi
+        for s in seqs:
+            size = cdiv(s.num_computed, self.config.block_size) * self.block_bytes
+            if self.swap and self.swapped_bytes + size <= self.swap_space:
+                s.swapped = self._swap_out(s)
+                self.swapped_bytes += size
+        self._release_blocks(seqs)
+        for s in seqs:
+            s.maybe_shared_last = False
+            if s.swapped is None:
+                s.num_computed = 0  # recompute
+        return self._release_hi - hi
+
+    def _release_blocks(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            if s.slot >= 0 and self.slot_live[s.slot]:
+                self.slot_live[s.slot] = False
+                self._release[s.slot] = (s, s.num_computed)
+                self._release_hi += cdiv(s.num_computed, self.config.block_size)
+
+    def _cached_blocks(self, released: list[tuple[Sequence, int]]) -> list[int]:
+        """Cached blocks the released sequences held, tail (leaf) first: the LRU order."""
+        k, out = self.config.block_size, []
+        for s, held in released:
+            out += [self.prefix.entries[h].block for h in reversed(s.block_hashes[:held // k])
+                    if h in self.prefix.entries]
+        return out
+
+    # ---- swap space and checks -------------------------------------------------------------
+    def _swap_out(self, seq: Sequence) -> tuple[np.ndarray, ...]:
+        """Host copies of the sequence's blocks: K, V (and their scales when quantized)."""
+        return self.device.read_blocks(seq.slot, cdiv(seq.num_computed, self.config.block_size))
+
+    def check(self) -> None:
+        """Asserts this host mirror equals the device: free count, live slots, lengths,
+        cached and evictable blocks, and the allocator invariants (reads the device; tests
+        call it after every step)."""
+        pool, table = self.device.snapshot()
+        check_invariants(pool, table)
+        num_free, dev_live, lens, cached, ref = (np.asarray(x) for x in (
+            pool.num_free, table.live, table.seq_lens, pool.cached, pool.refcount))
+        errors = []
+        if int(num_free) != self.num_free:
+            errors.append(f"free count: host {self.num_free}, device {int(num_free)}")
+        live = self.slot_live.copy()
+        live[list(self._release)] = True  # released in the next call
+        live[[dst for _, dst in self._forks]] = False  # forked in the next call
+        if not np.array_equal(live, dev_live):
+            errors.append(f"live slots: host {np.nonzero(live)[0]}, "
+                          f"device {np.nonzero(dev_live)[0]}")
+        for slot, seq in self.owners.items():
+            if slot not in self._release and dev_live[slot] and lens[slot] != seq.num_computed:
+                errors.append(f"slot {slot}: host length {seq.num_computed}, "
+                              f"device {lens[slot]}")
+        if self.prefix is not None:
+            host = set(self.prefix.hash_of) | set(self._evict) | set(self._unmark)
+            if set(np.nonzero(cached)[0].tolist()) != host:
+                errors.append(f"cached blocks: host {sorted(host)}, "
+                              f"device {np.nonzero(cached)[0].tolist()}")
+            idle = set(np.nonzero(cached & (ref == 0))[0].tolist()) - set(self._unmark)
+            if idle != set(self.prefix.evictable) | set(self._evict):
+                errors.append(f"evictable: host {sorted(self.prefix.evictable)} + queued "
+                              f"{self._evict}, device {sorted(idle)}")
+        if errors:
+            raise InvariantError("host mirror != device: " + "; ".join(errors))

@@ -1,0 +1,66 @@
+"""What the scheduler hands the runner: one device call's work, on the host.
+
+    Plan.chunks    (sequence, tokens) to compute, in batch order
+    Plan.admits    slots going live in the call (first admissions, resumes after recompute)
+    Plan.ops       the KV manager's queued allocator work (cache/ops.py), host arrays
+    Plan.restores  swapped-out sequences coming back (swap preemption mode only)
+    Plan.window    run the decodes as a decode window (several steps in one call)
+
+A plan with no chunks but with ops is an ops-only call (an engine going idle, or a step
+whose sequences all wait for blocks a pending release gives back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from paged_jax.cache.prefix_cache import Hit
+from paged_jax.engine.sequence import Request, Sequence
+from paged_jax.sample.sampler import SampleFlags
+
+
+@dataclasses.dataclass
+class Admit:
+    """A slot going live in the next call (an Admissions row, host side).
+
+    Attributes:
+      seq: the sequence taking the slot.
+      new_request: its request is admitted for the first time: write its sampling row.
+      seed: the seed used when the request has none of its own.
+      hit: the prefix-cache hit to attach (None: none).
+    """
+
+    seq: Sequence
+    new_request: bool
+    seed: int
+    hit: Hit | None = None
+
+
+@dataclasses.dataclass
+class Plan:
+    """One device call's work (see the module docstring)."""
+
+    chunks: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
+    admitted: list[Request] = dataclasses.field(default_factory=list)
+    admits: list[Admit] = dataclasses.field(default_factory=list)
+    ops: dict[str, np.ndarray] | None = None
+    restores: list[tuple] = dataclasses.field(default_factory=list)  # (slot, tokens, parts)
+    window: bool = False  # run as a decode window (decodes only, nothing joins)
+    flags: SampleFlags | None = None  # sampler features, if not the rows' own (beam search)
+    owned: bool = True  # the device settles the rows (step.settle); not beam search's
+    deferred: int = 0  # sequences that wait for blocks a pending release gives back
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+    @property
+    def decode_only(self) -> bool:
+        return bool(self.chunks) and all(n == 1 for _, n in self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to run on the device at all."""
+        return not self.chunks and self.ops is None

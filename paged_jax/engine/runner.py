@@ -1,0 +1,242 @@
+"""The device side of an engine (vLLM's model runner): parameters, the device state, and one
+jitted call per step with one device -> host read of its output.
+
+    run(plan)  ->  batch.build(plan)                        host: pad into a Call
+                   run_step | decode_window | run_ops        one jitted call, state donated
+                   jax.device_get(output)                    the one read
+               ->  StepOutput                                numpy, [W, R] per-row fields
+
+The state (pool, page tables, K/V, sampling) lives only here; the KV manager owns every
+host fact about it and reaches the device only to swap a sequence out or to `check` itself.
+Swap-ins (swap preemption mode only) are their own calls after the plan's ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import compile_cache
+from paged_jax.cache import kv_cache as kv_lib
+from paged_jax.cache import kv_quant
+from paged_jax.cache import page_table as pt
+from paged_jax.cache import pool as pool_lib
+from paged_jax.cache.kv_cache import KVCache
+from paged_jax.engine import batch as batch_lib
+from paged_jax.engine.config import EngineConfig
+from paged_jax.engine.plan import Plan
+from paged_jax.engine.sequence import Sequence
+from paged_jax.engine.settle import run_ops
+from paged_jax.engine.state import EngineState, StepConfig
+from paged_jax.engine.step import run_step
+from paged_jax.engine.window import decode_window
+from paged_jax.models import ModelConfig, Params, parallel
+from paged_jax.models.attention import default_backend
+from paged_jax.models.llama import prepare_params
+from paged_jax.sample import sampler as smp
+from paged_jax.types import Array, Bool, Int
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    """Per token of a step: the next prompt token's logprob and rank, and the top J'."""
+
+    logprobs: np.ndarray
+    ranks: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+def _fields(x):
+    """A device output as nested dicts of arrays (a host copy of the registered dataclasses
+    would run their jaxtyping checks on numpy arrays)."""
+    if dataclasses.is_dataclass(x):
+        return {f.name: _fields(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    return x
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """One call's results on the host. Per-row fields have a leading W axis (1 for a step,
+    the window's length for a decode window): row r's i-th token is tokens[i, r] where
+    valid[i, r].
+
+    Attributes:
+      kind: "step", "window" or "ops".
+      rows: the sequence of each row (batch order).
+      forks: (parent, children) the step forked (n > 1 requests whose prompt completed).
+      ok: False when the pool could not cover a step (nothing ran but ops and admissions). A
+        window that runs out of blocks stops early and keeps what it computed: ok.
+      num_free: the device free stack's size after the call.
+      steps: decode steps the call ran (1 for a step, 0 for ops).
+      full_blocks: [R, F] blocks each row filled in the call (prefix caching; else [R, 0]).
+      refcount: [N] refcounts after the call (prefix caching; else None).
+      prompt: per-token prompt logprobs ([T] arrays; None unless a row asked).
+      hidden: [R, E] last hidden state per row (None unless asked).
+      seconds: wall time of the jitted call and the read.
+    """
+
+    kind: str
+    rows: list[Sequence]
+    forks: list[tuple[Sequence, list[Sequence]]]
+    ok: bool
+    num_free: int
+    steps: int
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    valid: np.ndarray
+    finished: np.ndarray
+    reason: np.ndarray
+    full_blocks: np.ndarray
+    refcount: np.ndarray | None
+    prompt: PromptLogprobs | None = None
+    hidden: np.ndarray | None = None
+    seconds: float = 0.0
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+def _restore(
+    pool: pool_lib.BlockPool, table: pt.PageTable, cache: KVCache,
+    slot: Int[Array, ""], n_tokens: Int[Array, ""], *parts: Array,
+) -> tuple[pool_lib.BlockPool, pt.PageTable, KVCache, Bool[Array, ""]]:
+    """Swap-in on the device: the slot gets fresh blocks for its tokens, and `parts` (K, V
+    [L, H, P, K, D], and scales [L, H, P, K, Z] for a quantized cache) are written back."""
+    num_new = jnp.zeros_like(table.seq_lens).at[slot].set(n_tokens)
+    table = pt.add_sequence(table, slot)
+    pool, table, _, ok = pt.reserve_tokens(pool, table, num_new)
+    return pool, table, kv_lib.write_blocks(cache, table.block_tables[slot], *parts), ok
+
+
+class Runner:
+    """Parameters and device state of one engine, and the calls that change them.
+
+    Args:
+      model: the model's config.
+      params: its parameters (checkpoint form; laid out here for the forward, and sharded
+        over a mesh under tensor parallelism: models/parallel.py).
+      ec: the engine config.
+    """
+
+    def __init__(self, model: ModelConfig, params: Params, ec: EngineConfig):
+        self.model, self.config = model, ec
+        kv_dtype = kv_quant.storage_dtype(ec.kv_cache_dtype, jax.tree.leaves(params)[0].dtype)
+        params = prepare_params(params)  # the forward's fast layout, built once
+        self.mesh, kv_heads = None, model.num_kv_heads
+        if ec.tensor_parallel_size > 1:
+            if jax.process_count() > 1 and ec.preemption_mode == "swap":
+                raise ValueError("preemption_mode='swap' reads blocks to one host; over "
+                                 "several processes use 'recompute'")
+            lay = parallel.layout(model, ec.tensor_parallel_size)
+            self.mesh = parallel.make_mesh(lay.n, ec.first_device)
+            params, kv_heads = parallel.shard_params(params, model, self.mesh), lay.kv_heads_total
+            books, pages = parallel.replicated(self.mesh), parallel.by_head(self.mesh)
+        else:
+            books = pages = parallel.devices(1, ec.first_device)[0]
+            params = jax.device_put(params, books)  # no-op on device 0
+        self.params, cc = params, ec.cache
+        self.block_bytes = kv_lib.kv_cache_bytes(model.num_layers, kv_heads, cc.block_size,
+                                                 model.head_dim, kv_dtype)
+        # Committed to their devices now: jit keys on placement, so uncommitted initial
+        # arrays would make the second call compile everything again.
+        pool, table, sampling = jax.device_put((
+            pool_lib.init_pool(cc.num_blocks), pt.init_page_table(cc),
+            smp.init_sampling_state(cc.max_seqs, model.vocab_size)), books)
+        cache = jax.device_put(kv_lib.init_kv_cache(
+            model.num_layers, kv_heads, cc.num_blocks, cc.block_size, model.head_dim,
+            kv_dtype), pages)
+        self.state = EngineState(pool, table, cache, sampling)
+        self.cfg = StepConfig(model, ec.backend or default_backend(), self.mesh,
+                              ec.enable_prefix_caching)
+        self._eos = list(model.eos_token_ids)
+        self._programs = 0  # compiled programs seen after the last call
+
+    def run(self, plan: Plan) -> StepOutput:
+        """The plan's one jitted call (after its swap-ins, if any), and its one read."""
+        call = batch_lib.build(plan, self.config, self._eos, self.model.vocab_size,
+                               self.cfg.backend)
+        if plan.restores:
+            self._swap_in(call, plan.restores)
+        t0 = time.perf_counter()
+        if call.kind == "step":
+            self.state, out = run_step(self.params, self.state, call.batch, cfg=self.cfg,
+                                       shape=call.shape)
+        elif call.kind == "window":
+            self.state, out = decode_window(self.params, self.state, *call.window, call.ops,
+                                            cfg=self.cfg, window=self.config.decode_window,
+                                            shape=call.shape)
+        else:
+            out = self._ops(call)
+        host = self._to_host(call, jax.device_get(_fields(out)))
+        host.seconds = time.perf_counter() - t0
+        self._watch_programs()
+        return host
+
+    def _ops(self, call: batch_lib.Call) -> dict[str, jax.Array]:
+        st = self.state
+        pool, table, num_free, refcount = run_ops(st.pool, st.table, call.ops)
+        self.state = dataclasses.replace(st, pool=pool, table=table)
+        return dict(num_free=num_free, refcount=refcount)
+
+    def _to_host(self, call: batch_lib.Call, out: dict) -> StepOutput:
+        """The device output (its fields, read) as a StepOutput; a step gets a W axis of 1."""
+        r = len(call.rows)
+        refcount = out["refcount"] if self.cfg.prefix_caching else None
+        if call.kind == "ops":
+            z, z1 = np.zeros((0, 0), np.int32), np.zeros((0,), np.int32)
+            return StepOutput("ops", [], [], True, int(out["num_free"]), 0, z, z, z, z, z,
+                              z1, z1, z, refcount)
+        step = call.kind == "step"
+        w = (lambda a: a[None, :r]) if step else (lambda a: a[:, :r])
+        return StepOutput(
+            call.kind, call.rows, call.forks, bool(out["ok"]) or not step, int(out["num_free"]),
+            1 if step else int(out["steps"]), w(out["tokens"]), w(out["logprobs"]),
+            w(out["top_ids"]), w(out["top_logprobs"]), w(out["sampled" if step else "valid"]),
+            out["finished"][:r], out["reason"][:r], out["full_blocks"][:r], refcount,
+            prompt=(PromptLogprobs(**out["prompt"])
+                    if step and call.shape.prompt_top is not None else None),
+            hidden=out["hidden"][:r] if step and call.shape.hidden else None)
+
+    def _swap_in(self, call: batch_lib.Call, restores: list[tuple]) -> None:
+        """Applies the call's ops first (its releases may free the blocks a swap-in takes),
+        then restores each swapped-out sequence; the call itself then carries no ops."""
+        self._ops(call)
+        for slot, n_tokens, parts in restores:
+            grow = self.state.table.max_blocks_per_seq - parts[0].shape[2]
+            padded = [jnp.asarray(np.pad(x, [(0, 0), (0, 0), (0, grow)]
+                                         + [(0, 0)] * (x.ndim - 3))) for x in parts]
+            st = self.state
+            pool, table, cache, ok = _restore(st.pool, st.table, st.cache, jnp.asarray(slot),
+                                              jnp.asarray(n_tokens), *padded)
+            self.state = dataclasses.replace(st, pool=pool, table=table, cache=cache)
+            if not ok:  # the scheduler counted the restore (blocks_needed): a planning bug
+                raise RuntimeError(f"swap-in of slot {slot} found too few free blocks")
+        no_ops = batch_lib.build_ops(None, self.config)
+        call.ops = no_ops
+        if call.batch is not None:
+            call.batch = dataclasses.replace(call.batch, ops=no_ops)
+
+    # ---- outside steps ---------------------------------------------------------------------
+    def read_blocks(self, slot: int, num_blocks: int) -> tuple[np.ndarray, ...]:
+        """Host copies of a slot's first blocks: K, V (and scales when quantized)."""
+        blocks = np.asarray(self.state.table.block_tables[slot])[:num_blocks]
+        return tuple(np.asarray(x)
+                     for x in kv_lib.read_blocks(self.state.cache, jnp.asarray(blocks)))
+
+    def snapshot(self) -> tuple[pool_lib.BlockPool, pt.PageTable]:
+        """The pool and the page tables as they are now (for checks, which read them)."""
+        return self.state.pool, self.state.table
+
+    def _watch_programs(self) -> None:
+        """After a call that compiled a new program, keeps the process under the kernel's
+        limit on memory mappings (compile_cache.relieve_jit_mappings)."""
+        programs = run_step._cache_size() + decode_window._cache_size()
+        if programs != self._programs and compile_cache.relieve_jit_mappings():
+            programs = 0
+        self._programs = programs

@@ -1,0 +1,297 @@
+"""Host-side scheduler: who runs in the next step, and where a step's results land.
+
+THE RULE. There is no prefill or decode phase: every running sequence's computed tokens catch
+up with its total tokens. Each step has a budget of `max_num_batched_tokens` tokens and at most
+`max_num_seqs` sequences:
+  1. running sequences needing one token (decodes) go first, oldest request first;
+  2. running sequences with more pending tokens (prefill, or recompute after preemption) get
+     chunks of what budget is left, oldest first (chunked prefill);
+  3. waiting requests are admitted first come first served (preempted ones at the front) while
+     slots, budget and blocks allow; the first that does not fit stops admission. With prefix
+     caching, a request starts at its longest cached prefix: hit blocks cost no new blocks
+     (only cached-free ones reduce the free count), and `admission="cache-aware"` admits the
+     longest cached prefix first, no request passed over more than `max_skips` times.
+  4. only blocks the device has confirmed free count: a release queued for the next call
+     (finish, abort, preemption) gives its blocks back when that call's output says so. A
+     sequence whose blocks only a queued release can give waits one step.
+When even the queued releases cannot cover steps 1-2, the most recently admitted running
+request is preempted (all its sequences): its blocks are released and it goes back to the
+front of the queue, to be recomputed (default) or swapped back in. Nothing is lost.
+
+    schedule()                     -> Plan: chunks, admissions, the KV manager's queued ops
+    update_from_output(plan, out)  -> the requests with news. The one place a step's results
+        land: tokens appended and detokenized, stop strings (engine/output.py); counts and
+        prefix registrations (the KV manager); finished sequences freed (`free`)
+
+A plan of decodes only runs as a decode window (several steps in one device call) unless
+something must join the batch first: a slot going live, an n > 1 request to fork, or a
+waiting request that fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import TYPE_CHECKING
+
+from paged_jax.engine import admission
+from paged_jax.engine import output as out_lib
+from paged_jax.engine.kv_manager import KVManager
+from paged_jax.engine.plan import Plan
+from paged_jax.engine.policy import Policy
+from paged_jax.engine.sequence import Request, Sequence, Status
+
+if TYPE_CHECKING:
+    from paged_jax.engine.runner import StepOutput
+    from paged_jax.models.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step."""
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    admission: str = "fcfs"  # or "cache-aware" (longest cached prefix first)
+    max_skips: int = 8  # cache-aware: the most times a request may be passed over
+    decode_window: int = 1  # decode steps per device call when only decodes run
+    seed: int = 0  # engine seed: requests without their own get seed * 1_000_003 + arrival
+
+
+class Scheduler:
+    """Queues, the scheduling rule above, and the results of each step.
+
+    Args:
+      config: step limits.
+      kv: the KV manager: slots (a request holds one per sequence from admission to finish,
+        also while preempted, so its sampling state survives), blocks, prefix cache.
+      policy: admission policy (engine/policy.py); None = on-demand paging.
+      tokenizer: detokenizes outputs and finds stop strings (None: token ids only).
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVManager, policy: Policy | None = None,
+                 tokenizer: Tokenizer | None = None):
+        self.config, self.kv, self.tokenizer = config, kv, tokenizer
+        self.policy = policy or Policy("paged", config.block_size, 0, 0, config.max_num_seqs)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.skips: dict[str, int] = {}  # cache-aware admission: times passed over (waiting)
+        self.num_preempted = 0
+        self.refused_steps = 0  # steps the device refused for lack of blocks (a planning bug)
+        self._orders = itertools.count()  # admission counters
+        self._arrivals = itertools.count()  # sampling seeds of requests without their own
+
+    # ---- queues --------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def requeue_front(self, req: Request) -> None:
+        """A preempted request waits ahead of every request admitted after it."""
+        self.running.remove(req)
+        self.waiting.insert(0, req)
+        self.waiting.sort(key=lambda r: (r.order < 0, r.order if r.order >= 0 else 0))
+
+    def free(self, seqs: list[Sequence]) -> None:
+        """Sequences done for good (finished, aborted, or a caller's beams): the only caller
+        of KVManager.free."""
+        self.kv.free(seqs)
+        for s in seqs:
+            s.status = Status.FINISHED
+
+    def abort(self, req: Request) -> None:
+        """Drops a request wherever it is; everything it holds is freed."""
+        for s in req.live_seqs():
+            s.finish_reason = "abort"
+        self.free(req.live_seqs())
+        self._drop(req)
+
+    def _drop(self, req: Request) -> None:
+        self.policy.on_finish(req)
+        self.skips.pop(req.request_id, None)
+        for q in (self.running, self.waiting):
+            if req in q:
+                q.remove(req)
+
+    # ---- planning ------------------------------------------------------------------------
+    def preempt(self, req: Request) -> int:
+        """Releases a running request's blocks (swapped out first in swap mode) and puts it
+        back at the front of the queue; returns what the release may give back (at most)."""
+        seqs = [s for s in req.seqs if s.status is Status.RUNNING]
+        freed = self.kv.preempt(seqs)
+        for s in seqs:
+            s.status = Status.WAITING
+        self.requeue_front(req)
+        self.num_preempted += 1
+        req.num_preemptions += 1
+        return freed
+
+    def schedule(self) -> Plan:
+        """Plans one device call (possibly empty when nothing fits yet); may preempt."""
+        plan, budget = Plan(), self.config.max_num_batched_tokens
+        free, maybe = self.kv.free_total(), self.kv.pending_free()
+        for want_decode in (True, False):
+            for req in sorted(self.running, key=lambda r: r.order):
+                for seq in [s for s in req.seqs if s.status is Status.RUNNING]:
+                    if budget == 0 or (seq.num_pending == 1) != want_decode:
+                        continue
+                    n = min(seq.num_pending, budget)
+                    need = self.kv.blocks_needed(seq, n)
+                    while need > free + maybe and (victim := self._victim(req, plan)):
+                        maybe += self.preempt(victim)
+                    if need > free:
+                        plan.deferred += 1  # rule 4 (or nothing left to preempt)
+                        continue
+                    free, budget = free - need, budget - n
+                    plan.chunks.append((seq, n))
+        self._admit(plan, budget, free)
+        plan.window = self._window(plan)
+        self._finish_plan(plan)
+        return plan
+
+    def _finish_plan(self, plan: Plan) -> None:
+        """Room for the plan (evictions), its admissions and the queued ops."""
+        now = time.time()
+        new = set()
+        for req in plan.admitted:
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+                req.metrics.time_in_queue = now - req.arrival_time
+                new.add(id(req))
+        self.kv.room_for(plan.chunks, plan.decode_only)
+        plan.admits, plan.restores = self.kv.bring_live([s for s, _ in plan.chunks])
+        for a in plan.admits:
+            a.new_request = id(a.seq.owner) in new and a.seq.index == 0
+            if a.new_request:
+                a.seed = self.config.seed * 1_000_003 + next(self._arrivals)
+        plan.ops = self.kv.take_ops()
+
+    def _window(self, plan: Plan) -> bool:
+        """Whether a plan runs as a decode window: decodes only, and nothing joins first."""
+        if self.config.decode_window < 2 or not plan.decode_only or plan.admitted:
+            return False
+        for s, _ in plan.chunks:
+            # going live, or a one-token prompt that must fork or asks for its hidden state
+            # (a window returns neither)
+            if not self.kv.slot_live[s.slot] or s.wants_hidden(1) or (
+                    s.owner.params.n > 1 and not s.owner.forked):
+                return False
+        return not self._can_admit()
+
+    def _can_admit(self) -> bool:
+        """Whether a waiting request could join now (then a window would delay it)."""
+        return bool(self.waiting) and any(
+            r.seqs[0].slot >= 0 or self.kv.free_slots for r in self.waiting) and (
+            self.policy.admits(self.waiting[0], self.running, self.waiting))
+
+    def _victim(self, exclude: Request, planned: Plan) -> Request | None:
+        """The most recently admitted running request other than `exclude` and not planned."""
+        planned_reqs = {id(s) for s, _ in planned.chunks}
+        cands = [r for r in self.running if r is not exclude
+                 and not any(id(s) in planned_reqs for s in r.seqs)]
+        return max(cands, key=lambda r: r.order) if cands else None
+
+    def _admit(self, plan: Plan, budget: int, free: int) -> None:
+        before = list(self.waiting)
+        queue = self._queue()
+        while queue and budget > 0:
+            left = self._admit_one(queue[0], plan, budget, free)
+            if left is None:
+                break
+            queue.pop(0)
+            budget, free = left
+        if self.config.admission == "cache-aware":
+            admission.count_skips(before, plan.admitted, self.skips)
+
+    def _queue(self) -> list[Request]:
+        """Waiting requests in admission order."""
+        if self.config.admission != "cache-aware" or self.kv.prefix is None:
+            return list(self.waiting)
+        return admission.cache_aware_order(self.waiting, self._cached_len, self.skips,
+                                           self.config.max_skips)
+
+    def _cached_len(self, req: Request) -> int:
+        if not self.kv.fresh(req) or req.params.prompt_logprobs is not None:
+            return 0
+        return self.kv.prefix.lookup(req.seqs[0]).num_tokens
+
+    def _admit_one(self, req: Request, plan: Plan, budget: int,
+                   free: int) -> tuple[int, int] | None:
+        """Admits `req` into the plan if slots, policy, budget and blocks allow; returns the
+        budget and free blocks left, or None (admission stops here)."""
+        first = req.live_seqs()[0] if req.forked else req.seqs[0]
+        seqs = req.live_seqs() if req.forked else [req.seqs[0]]
+        if not (self.kv.can_allocate(req.seqs) and self.kv.settled(req)
+                and self.policy.admits(req, self.running, self.waiting)):
+            return None
+        hit = self.kv.try_hit(req)
+        chunks, need, left = [], hit.num_evictable if hit else 0, budget
+        for s in seqs:
+            n = min(s.num_pending, left)
+            if n == 0:
+                break
+            chunks.append((s, n))
+            need += self.kv.blocks_needed(s, n)
+            left -= n
+        if not chunks or need > free or chunks[0][0] is not first:
+            if hit:
+                self.kv.undo_hit(first)
+            return None
+        self.waiting.remove(req)
+        self.skips.pop(req.request_id, None)
+        self.kv.admit_hit(req, hit, first_time=req.order < 0)
+        self.kv.allocate(req.seqs)
+        for s in seqs:
+            s.status = Status.RUNNING
+        if req.order < 0:
+            req.order = next(self._orders)
+        self.running.append(req)
+        self.policy.on_admit(req)
+        plan.chunks.extend(chunks)
+        plan.admitted.append(req)
+        return left, free - need
+
+    # ---- results -------------------------------------------------------------------------
+    def update_from_output(self, plan: Plan, out: StepOutput | None) -> list[Request]:
+        """Applies one call's results; returns the requests with news (finished ones, whose
+        sequences are freed, and those that ran)."""
+        if out is None:
+            return []
+        if out.kind == "ops" or not out.ok:
+            self.kv.update_from_output([], out)
+            if not out.ok:  # the plan missed (should not happen): free memory, retry later
+                self.refused_steps += 1
+                self.preempt(max(self.running, key=lambda r: r.order))
+            return []
+        counts = {id(s): n for s, n in plan.chunks}
+        if out.hidden is not None:
+            out_lib.hidden_states(out.rows, counts, out.hidden)
+        advanced, finished = [], []
+        for i, seq in enumerate(out.rows):
+            used, done = out_lib.emit(seq, out, i, int(out.valid[:, i].sum()), self.tokenizer)
+            advanced.append((seq, counts.get(id(seq), 0) if out.kind == "step" else used))
+            if done:
+                finished.append(seq)
+        self.kv.update_from_output(advanced, out)
+        if out.prompt is not None:
+            out_lib.prompt_logprobs(out.rows, plan.chunks, out.prompt, self.tokenizer)
+        for parent, children in out.forks:
+            self.kv.live_children(parent, children)
+            for c in children:
+                c.status = Status.RUNNING
+            parent.owner.forked = True
+        return self._finish(finished, plan)
+
+    def _finish(self, finished: list[Sequence], plan: Plan) -> list[Request]:
+        """Frees finished sequences; the requests with news, finished ones first."""
+        self.free(finished)
+        touched = list(dict.fromkeys(s.owner for s in finished))
+        for req in touched:
+            if req.finished:
+                req.metrics.finished_time = time.time()
+                self._drop(req)
+        return list(dict.fromkeys(touched + [s.owner for s, _ in plan.chunks]))

@@ -1,0 +1,114 @@
+"""Host-side bookkeeping of requests and their sequences (no device arrays here).
+
+Each fact on a sequence has one writer: its tokens, text, logprobs and finish reason the
+output processing (engine/output.py); its status the scheduler; its KV facts (slot,
+num_computed, maybe_shared_last, swapped, prefix_hit, block_hashes) the KV manager.
+
+A request owns n sequences (parallel sampling). Each sequence holds its tokens
+(prompt + generated) and how many of them already have K/V in the cache:
+
+    tokens:        [ p0 p1 p2 ... p(m-1) | o0 o1 ... o(k-1) ]
+    num_computed:  ---------------------------^               K/V cached for tokens[:num_computed]
+    the next step feeds tokens[num_computed : num_computed + chunk]; it samples a new token
+    when that chunk reaches the end of `tokens` (prefill done, or a decode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+from paged_jax.outputs import CompletionOutput, Logprob, RequestMetrics
+from paged_jax.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted (recompute) / swapped out
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)  # identity: `seq in list` must not compare token lists
+class Sequence:
+    """One output stream of a request, living in page-table slot `slot` while admitted."""
+
+    index: int
+    tokens: list[int]
+    prompt_len: int
+    slot: int = -1
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    # True while the partly filled last block may be shared with a fork (copy-on-write).
+    maybe_shared_last: bool = False
+    swapped: object = None  # host copy of its K/V blocks while swapped out
+    # Prefix caching: hashes of the full blocks of `tokens` (a chain, grown lazily), and the
+    # cache hit chosen at admission, attached on the device when the slot goes live.
+    block_hashes: list[int] = dataclasses.field(default_factory=list)
+    prefix_hit: object = None
+    logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    text: str = ""
+    committed_text: str = ""  # detokenized text of output_ids[:read_offset]
+    read_offset: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    owner: Request | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose K/V the next steps must compute."""
+        return len(self.tokens) - self.num_computed
+
+    def wants_hidden(self, n: int) -> bool:
+        """Whether computing its next n tokens ends its request's first prefill and the
+        request asked for the prompt's hidden state (a recompute after preemption does not
+        ask again; a decode window cannot return it)."""
+        return (self.owner.params.return_hidden_states and self.owner.hidden_states is None
+                and self.num_computed + n == len(self.tokens) == self.prompt_len)
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index, text=self.text, token_ids=list(self.output_ids),
+            cumulative_logprob=(None if self.owner is None or self.owner.params.logprobs is None
+                                else self.cumulative_logprob),  # as vLLM: only when asked
+            logprobs=self.logprobs or None, finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclasses.dataclass(eq=False)  # identity, as for Sequence
+class Request:
+    """A submitted request: its prompt, parameters, sequences and timings."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    order: int  # admission counter: larger = admitted later (preempted first)
+    seqs: list[Sequence] = dataclasses.field(default_factory=list)
+    metrics: RequestMetrics | None = None  # None: from arrival_time (__post_init__)
+    forked: bool = False  # children of an n > 1 request exist on the device
+    num_cached_tokens: int = 0
+    banned_ids: tuple[int, ...] = ()  # token ids of its bad words (engine_input)
+    # vLLM's prompt_logprobs: None first, then one entry per prompt token (filled as computed)
+    prompt_logprobs: list | None = None
+    hidden_states: np.ndarray | None = None  # SamplingParams.return_hidden_states
+    num_preemptions: int = 0  # times preempted (vLLM's num_preemptions)
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is Status.FINISHED for s in self.seqs)
+
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if s.status is not Status.FINISHED]

@@ -1,0 +1,99 @@
+"""What the device settles in every call, so the host never needs a call of its own for it.
+
+    first   apply_batch_ops: the host's queued allocator work (cache/ops.py): releases of
+            sequences only the host saw end (stop strings, aborts, preemption), evictions,
+            beam-search forks
+    last    settle: for the rows the scheduler owns, newly full blocks marked cached
+            (prefix caching) and the rows that stopped (stop token, EOS, max_tokens) released
+            report: the free count, each row's newly full blocks [R, F] and the refcounts [N]
+            (the last two with prefix caching): all the host learns, in the call's one output
+    run_ops a call with nothing else to do (an engine going idle, or a step whose sequences
+            all wait for blocks a queued release gives back)
+
+run_step (engine/step.py) and decode_window (engine/window.py) call these around their work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from paged_jax.cache import page_table as pt
+from paged_jax.cache import pool as pool_lib
+from paged_jax.cache.ops import KVOps, apply_ops
+from paged_jax.cache.page_table import PageTable
+from paged_jax.cache.pool import BlockPool
+from paged_jax.engine.state import EngineState, StepConfig
+from paged_jax.types import Array, Bool, Int
+
+
+def apply_batch_ops(state: EngineState, ops: KVOps | None) -> EngineState:
+    """The host's queued allocator ops (cache/ops.py), first thing in a call."""
+    if ops is None:
+        return state
+    pool, table = apply_ops(state.pool, state.table, ops)
+    return dataclasses.replace(state, pool=pool, table=table)
+
+
+def full_blocks(
+    table: PageTable, slots: Int[Array, "R"], old_lens: Int[Array, "S"], width: int
+) -> Int[Array, "R F"]:
+    """Each row's blocks that became full since `old_lens`, in logical order (0 pads)."""
+    k, s = table.block_size, jnp.clip(slots, 0)
+    lo, hi = old_lens[s] // k, table.seq_lens[s] // k
+    col = lo[:, None] + jnp.arange(width)[None, :]
+    ids = table.block_tables[s[:, None], jnp.clip(col, 0, table.max_blocks_per_seq - 1)]
+    return jnp.where((col < hi[:, None]) & (slots >= 0)[:, None], ids, 0)
+
+
+def settle(
+    state: EngineState, finished: Bool[Array, "R"], slots: Int[Array, "R"],
+    own: Bool[Array, "R"], full: Int[Array, "R F"], cfg: StepConfig,
+) -> EngineState:
+    """What the device decides itself at the end of a call, for the rows the scheduler owns:
+    their newly full blocks are marked cached (prefix caching; the host registers them from
+    the report, and queues an eviction for any it will not keep), then those that stopped
+    (stop token, EOS, max_tokens) are released, so the report's free count includes them."""
+    mine = own & (slots >= 0)
+    pool = state.pool
+    if cfg.prefix_caching:
+        pool = pool_lib.mark_cached(pool, jnp.where(mine[:, None], full, 0).reshape(-1))
+    s = state.table.live.shape[0]
+    gone = jnp.zeros((s,), bool).at[jnp.where(mine & finished, slots, s)].set(True, mode="drop")
+    pool, table = pt.release(pool, state.table, gone)
+    return dataclasses.replace(state, pool=pool, table=table)
+
+
+def settle_and_report(
+    state: EngineState, out, slots: Int[Array, "R"], own: Bool[Array, "R"],
+    old_lens: Int[Array, "S"], cfg: StepConfig, width: int, wrote: Bool[Array, "R"],
+):
+    """`settle`, then the call's report in `out` (StepOut or WindowOut): the free count,
+    newly full blocks [R, F] of the rows that wrote tokens, and refcounts [N] (the last two
+    with prefix caching only)."""
+    full = out.full_blocks  # [R, 0] without prefix caching
+    if cfg.prefix_caching:
+        full = jnp.where(out.ok & wrote[:, None],
+                         full_blocks(state.table, slots, old_lens, width), 0)
+    state = settle(state, out.finished, slots, own, full, cfg)
+    refcount = state.pool.refcount if cfg.prefix_caching else out.refcount
+    return state, dataclasses.replace(out, num_free=state.pool.num_free, full_blocks=full,
+                                      refcount=refcount)
+
+
+
+@functools.partial(jax.jit, donate_argnames=("pool", "table"))
+def run_ops(
+    pool: BlockPool, table: PageTable, ops: KVOps
+) -> tuple[BlockPool, PageTable, Int[Array, ""], Int[Array, "N"]]:
+    """A call with nothing to compute but the host's queued ops (an engine going idle, or a
+    step whose every sequence waits for blocks a pending release gives back).
+
+    Returns:
+      (pool', table', the free count, the refcounts).
+    """
+    pool, table = apply_ops(pool, table, ops)
+    return pool, table, pool.num_free, pool.refcount

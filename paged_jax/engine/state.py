@@ -1,0 +1,35 @@
+"""The device state of an engine and the static knobs its programs are compiled for."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.sharding import Mesh
+
+from paged_jax.cache.kv_cache import KVCache
+from paged_jax.cache.page_table import PageTable
+from paged_jax.cache.pool import BlockPool
+from paged_jax.models import ModelConfig
+from paged_jax.sample import sampler as smp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EngineState:
+    """Everything the device holds between steps (donated to every step)."""
+
+    pool: BlockPool
+    table: PageTable
+    cache: KVCache
+    sampling: smp.SamplingState
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static knobs fixed for an engine's lifetime (hashable: part of the jit cache key)."""
+
+    model: ModelConfig
+    backend: str = "reference"
+    mesh: Mesh | None = None  # tensor parallelism: the "model" mesh (paged_jax/models/parallel.py)
+    prefix_caching: bool = False  # report newly full blocks and refcounts (StepOut)

@@ -1,0 +1,334 @@
+"""The jitted device side of an engine step: one ragged step, and a decode window.
+
+A step runs over *rows*, not over every sequence slot: row r computes the tokens of slot
+row_slots[r], and the host pads the rows to a power-of-two bucket of the sequences that run
+(StepShape and batch.py hold the bucket rules). A step over one sequence costs one row.
+
+    run_step(params, state, batch)                    one forward over a ragged batch
+      0. ops                -> the host's queued allocator work (cache/ops.py): releases,
+                               evictions, forks
+         admissions         -> slots going live: table row reset, prefix-cache hit attached,
+                               sampling parameters written (new requests)
+      1. reserve_tokens      -> blocks at boundaries, copy-on-write pairs, ok
+      2. copy_blocks        -> private copies of shared last blocks
+      3. model forward      -> writes K/V at cache_positions, paged attention, logits per row
+      4. forks (n > 1)      -> children share the prompt's blocks, each with its own key
+      5. sample             -> per-row parameters and keys; advance counts; stop on device
+      6. settle             -> what the device decides itself, for the rows the scheduler
+                               owns: newly full blocks marked cached (prefix caching), rows
+                               that stopped released
+      7. report             -> the free count, and with prefix caching each row's newly full
+                               blocks and the pool's refcounts: all the host learns, in the
+                               call's one output
+
+The decode window (paged_jax/engine/window.py) runs `step_body` up to W times in a while_loop.
+
+If `reserve_tokens` reports the pool cannot cover the step, steps 1-5 do not run and the state
+comes back as it was after the ops and admissions (`ok` False): the host preempts and retries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from paged_jax.cache import page_table as pt
+from paged_jax.cache.kv_cache import KVCache, copy_blocks
+from paged_jax.cache.ops import KVOps
+from paged_jax.engine import settle
+from paged_jax.engine.state import EngineState, StepConfig
+from paged_jax.models import Params, forward, parallel
+from paged_jax.sample import sampler as smp
+from paged_jax.types import Array, Bool, Float, HostArray, Int
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Admissions:
+    """Slots going live at the start of a step, padded to A entries (slot -1).
+
+    A slot goes live when a request is admitted for the first time, or resumes after a
+    recompute preemption (swapped-out sequences come back through their own call first).
+
+    Attributes:
+      slot: [A] the slot; its page-table row is reset to empty.
+      new_request: [A] first admission: write `sampling` into the slot's sampling row.
+      sampling: [A] the requests' sampling parameters.
+      prompt_mask: [A, V] prompt tokens (repetition penalty), only in steps whose flags have
+        penalties; None otherwise.
+      logit_bias: [A, V] the requests' bias rows, only in steps whose flags have bias.
+      hit_blocks: [A, P] cached blocks of a prefix-cache hit, in logical order, 0-padded.
+      hit_tokens: [A] tokens the hit covers (the slot starts with this length).
+    """
+
+    slot: Int[HostArray, "A"]
+    new_request: Bool[HostArray, "A"]
+    sampling: smp.SamplingRows
+    prompt_mask: Bool[HostArray, "A V"] | None
+    logit_bias: Float[HostArray, "A V"] | None
+    hit_blocks: Int[HostArray, "A P"]
+    hit_tokens: Int[HostArray, "A"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """One ragged step, padded to static shapes.
+
+    Rows are the sequences taking part (prefill chunks first, then decodes, then the children
+    of n > 1 forks, which have no tokens); row r owns tokens query_start[r] .. query_start[r+1]-1.
+
+    Attributes:
+      token_ids, positions: [T] input token and its position; padding past query_start[R].
+      token_rows: [T] row of each token, -1 for padding.
+      row_slots: [R] page-table slot of each row, -1 for padding rows.
+      query_start: [R + 1] cumulative token offsets of the rows.
+      sample: [R] rows that sample a token after this step (their prompt is complete).
+      fork_src, fork_dst, fork_index: [F] rows: after the forward, the slot of row dst becomes
+        a child of row src's slot (shares its blocks) and samples from its logits with key
+        fold_in(key, index); src < 0 pads.
+      admit: slots going live first (None: none; decode windows).
+      ops: allocator ops applied before everything else (None: none).
+      own: [R] rows the scheduler owns: settled by the device (see `settle`). Beam search's
+        rows are not (it forks and frees them itself).
+      next_ids: [T] for tokens of rows that want prompt logprobs, the prompt token after it
+        (its logprob is reported); -1 elsewhere. Only in steps whose shape has prompt_top.
+    """
+
+    token_ids: Int[HostArray, "T"]
+    positions: Int[HostArray, "T"]
+    token_rows: Int[HostArray, "T"]
+    row_slots: Int[HostArray, "R"]
+    query_start: Int[HostArray, "R+1"]
+    sample: Bool[HostArray, "R"]
+    fork_src: Int[HostArray, "F"]
+    fork_dst: Int[HostArray, "F"]
+    fork_index: Int[HostArray, "F"]
+    admit: Admissions | None = None
+    ops: KVOps | None = None
+    own: Bool[HostArray, "R"] | None = None
+    next_ids: Int[HostArray, "T"] | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOut:
+    """Per-row results of a step (only rows with `sampled` set are meaningful), per-token
+    prompt logprobs ([T], [T, J'] arrays when the shape has prompt_top, else empty), each
+    row's last-token hidden state ([R, E] when the shape has `hidden`, else [R, 0]), and the
+    cache report: `full_blocks` [R, F] the blocks that became full in the step, in logical
+    order (0 pads; F = shape.full_width), and the pool's `refcount` after it ([N] with
+    prefix caching, else [0])."""
+
+    tokens: Int[Array, "R"]
+    logprobs: Float[Array, "R"]
+    top_ids: Int[Array, "R J"]
+    top_logprobs: Float[Array, "R J"]
+    sampled: Bool[Array, "R"]
+    finished: Bool[Array, "R"]
+    reason: Int[Array, "R"]
+    ok: Bool[Array, ""]
+    num_free: Int[Array, ""]
+    prompt: smp.PromptLogprobs
+    hidden: Float[Array, "R E"]
+    full_blocks: Int[Array, "R F"]
+    refcount: Int[Array, "N2"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """Static bounds of one step, chosen by the host from buckets (part of the jit key).
+
+    Attributes:
+      max_q: tokens of any row (1: every row decodes).
+      max_q_rows: only the first max_q_rows rows may have more than one token (None: any).
+      max_new_blocks: blocks any slot gains in the step, copies included.
+      max_copies: copy-on-write copies the step may make (rows whose last block may be
+        shared); 0 skips the copy. A step that would need more is refused (ok False).
+      max_pages: pages any row holds after the step (None: all P).
+      decode_pages: pages of the single-token rows together (attention.flat_decode_reference).
+      flags: sampler features the rows need.
+      prompt_top: J', top logprobs per prompt token, when some row wants prompt logprobs
+        (the forward then keeps every token's logits); None: none.
+      hidden: return each row's last-token hidden state (some row finishing its prompt
+        asked for it: SamplingParams.return_hidden_states).
+      full_width: F, the most blocks a row can fill in the call (0: no report).
+    """
+
+    max_q: int = 1
+    max_q_rows: int | None = None
+    max_new_blocks: int = 2
+    max_copies: int = 0
+    max_pages: int | None = None
+    decode_pages: int | None = None
+    flags: smp.SampleFlags = smp.SampleFlags()
+    prompt_top: int | None = None
+    hidden: bool = False
+    full_width: int = 0
+
+
+def _admit(state: EngineState, adm: Admissions | None) -> EngineState:
+    """Applies a step's admissions: rows reset, prefix hits attached, sampling rows written."""
+    if adm is None:
+        return state
+    table = pt.add_sequences(state.table, adm.slot)
+    pool, table = pt.attach_prefixes(state.pool, table, adm.slot, adm.hit_blocks, adm.hit_tokens)
+    new = jnp.where(adm.new_request, adm.slot, -1)
+    sampling = smp.admit_rows(state.sampling, new, adm.sampling, adm.prompt_mask,
+                              adm.logit_bias)
+    return EngineState(pool, table, state.cache, sampling)
+
+
+def _copies(
+    src: Int[Array, "S"], dst: Int[Array, "S"], max_copies: int
+) -> tuple[tuple[Int[Array, "C"], Int[Array, "C"]], Bool[Array, ""]]:
+    """The copy-on-write pairs (dst != 0) packed into `max_copies` entries, and whether they fit.
+
+    Copying costs a gather and a scatter of C blocks in every layer, so steps copy only as
+    many blocks as the host says may be shared (usually none).
+    """
+    wanted = dst != 0
+    fits = wanted.sum() <= max_copies
+    if not max_copies:
+        return (src[:0], dst[:0]), fits
+    (idx,) = jnp.nonzero(wanted, size=max_copies, fill_value=src.shape[0])
+    take = lambda a: jnp.where(idx < a.shape[0], a[jnp.clip(idx, 0, a.shape[0] - 1)], 0)  # noqa: E731
+    return (take(src), take(dst)), fits
+
+
+def _num_new(batch: StepBatch, num_slots: int) -> Int[Array, "S"]:
+    """Tokens each slot gains: its row's token count (padding rows dropped)."""
+    per_row = batch.query_start[1:] - batch.query_start[:-1]
+    dest = jnp.where(batch.row_slots >= 0, batch.row_slots, num_slots)
+    return jnp.zeros((num_slots,), jnp.int32).at[dest].add(per_row, mode="drop")
+
+
+def _forward_rows(
+    params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, shape: StepShape
+) -> tuple[Float[Array, "R V"], KVCache, smp.PromptLogprobs, Float[Array, "R E"]]:
+    """Model forward over the batch's rows: logits of each row's last token, the prompt
+    logprobs of every token and each row's last hidden state (empty unless the shape asks).
+
+    Attention sees only the first `max_pages` pages of each row (a static bucket covering the
+    longest sequence in the step), so short contexts do not pay for max_model_len.
+    """
+    table = state.table
+    slots = jnp.clip(batch.row_slots, 0)
+    seq_ids = jnp.where(batch.token_rows >= 0, batch.row_slots[batch.token_rows], -1)
+    cache_pos = pt.cache_positions(table, seq_ids, batch.positions)
+    seq_lens = jnp.where(batch.row_slots >= 0, table.seq_lens[slots], 0)
+    every = shape.prompt_top is not None
+    args = (batch.token_ids, batch.positions, cache_pos,
+            table.block_tables[slots][:, :shape.max_pages], seq_lens, batch.query_start)
+    kw = dict(max_q=shape.max_q, backend=cfg.backend, max_q_rows=shape.max_q_rows,
+              decode_pages=shape.decode_pages, all_logits=every, with_hidden=shape.hidden)
+    logits, cache = parallel.sharded_forward(  # plain `forward` without a mesh
+        cfg.mesh, forward, cfg.model, params, state.cache, *args, **kw)
+    logits, hidden = logits if shape.hidden else (logits, _no_hidden(batch.row_slots.shape[0]))
+    if not every:
+        return logits, cache, smp.PromptLogprobs.empty(), hidden
+    prompt = smp.prompt_logprobs(logits, batch.next_ids, shape.prompt_top)
+    return logits[jnp.clip(batch.query_start[1:] - 1, 0)], cache, prompt, hidden
+
+
+def _no_hidden(rows: int) -> Float[Array, "R 0"]:
+    return jnp.zeros((rows, 0), jnp.float32)
+
+
+def _fork_children(
+    state: EngineState, logits: Float[Array, "R V"], batch: StepBatch
+) -> tuple[EngineState, Float[Array, "R V"]]:
+    """Creates parallel-sampling children after the prompt's K/V are written."""
+    valid = batch.fork_src >= 0
+    src = jnp.where(valid, batch.row_slots[jnp.clip(batch.fork_src, 0)], -1)
+    dst = batch.row_slots[jnp.clip(batch.fork_dst, 0)]
+    pool, table = pt.fork(state.pool, state.table, src, dst)
+    sampling = smp.fork_slots(state.sampling, src, dst, batch.fork_index)
+    rows = jnp.where(valid, batch.fork_dst, logits.shape[0])
+    logits = logits.at[rows].set(logits[jnp.clip(batch.fork_src, 0)], mode="drop")
+    return EngineState(pool, table, state.cache, sampling), logits
+
+
+def _sample(
+    state: EngineState, logits: Float[Array, "R V"], slots: Int[Array, "R"],
+    active: Bool[Array, "R"], flags: smp.SampleFlags,
+) -> tuple[EngineState, StepOut]:
+    rows = smp.rows_view(state.sampling, slots, flags.penalties, flags.bias)
+    res = smp.sample(logits, rows, flags=flags)
+    sampling = smp.update_rows(state.sampling, slots, res.tokens, active, flags.penalties)
+    counted = dataclasses.replace(rows, num_generated=rows.num_generated + active)
+    finished, reason = smp.stop_mask(counted, res.tokens)
+    r = slots.shape[0]
+    out = StepOut(res.tokens, res.logprobs, res.top_ids, res.top_logprobs, active,
+                  finished & active, reason, jnp.asarray(True), state.pool.num_free,
+                  smp.PromptLogprobs.empty(), _no_hidden(r), jnp.zeros((r, 0), jnp.int32),
+                  jnp.zeros((0,), jnp.int32))
+    return dataclasses.replace(state, sampling=sampling), out
+
+
+def _empty_out(state: EngineState, rows: int, tokens: int, shape: StepShape,
+               width: int) -> StepOut:
+    j = shape.flags.num_top_logprobs
+    zi, zf, zb = (jnp.zeros((rows,), t) for t in (jnp.int32, jnp.float32, bool))
+    prompt = (smp.PromptLogprobs.empty() if shape.prompt_top is None
+              else smp.PromptLogprobs.empty(tokens, shape.prompt_top))
+    return StepOut(zi, zf, jnp.zeros((rows, j), jnp.int32), jnp.zeros((rows, j), jnp.float32),
+                   zb, zb, zi, jnp.asarray(False), state.pool.num_free, prompt,
+                   jnp.zeros((rows, width if shape.hidden else 0), jnp.float32),
+                   jnp.zeros((rows, 0), jnp.int32), jnp.zeros((0,), jnp.int32))
+
+
+def step_body(
+    params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, shape: StepShape
+) -> tuple[EngineState, StepOut]:
+    """One ragged step after its ops and admissions (unjitted; see `run_step`)."""
+    num_new = _num_new(batch, state.table.live.shape[0])
+    pool, table, (src, dst), ok = pt.reserve_tokens(
+        state.pool, state.table, num_new, max_new_blocks=shape.max_new_blocks)
+    (src, dst), fits = _copies(src, dst, shape.max_copies)
+    pool, table = jax.tree.map(lambda a, b: jnp.where(fits, a, b), (pool, table),
+                               (state.pool, state.table))
+    ok = ok & fits
+
+    def go(_):
+        cache = copy_blocks(state.cache, src, dst) if shape.max_copies else state.cache
+        st = EngineState(pool, table, cache, state.sampling)
+        logits, cache, prompt, hidden = _forward_rows(params, st, batch, cfg, shape)
+        st, logits = _fork_children(dataclasses.replace(st, cache=cache), logits, batch)
+        st, out = _sample(st, logits, batch.row_slots, batch.sample & (batch.row_slots >= 0),
+                          shape.flags)
+        return st, dataclasses.replace(out, prompt=prompt, hidden=hidden)
+
+    rows, tokens = batch.row_slots.shape[0], batch.token_ids.shape[0]
+    empty = _empty_out(state, rows, tokens, shape, cfg.model.hidden_size)
+    return jax.lax.cond(ok, go, lambda _: (state, empty), None)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "shape"), donate_argnames=("state",))
+def run_step(
+    params: Params, state: EngineState, batch: StepBatch, *, cfg: StepConfig, shape: StepShape
+) -> tuple[EngineState, StepOut]:
+    """One ragged step (prefill chunks and/or decodes), the state donated.
+
+    Args:
+      params: model parameters (runtime form, models.llama.prepare_params).
+      state: device state (donated).
+      batch: the step's ops, admissions, tokens and rows.
+      cfg: static engine config.
+      shape: static bounds of this step.
+
+    Returns:
+      (state', StepOut per row). When the pool cannot cover the step, ok is False and state'
+      is the state after the ops and admissions (nothing sampled, nothing settled).
+    """
+    state = _admit(settle.apply_batch_ops(state, batch.ops), batch.admit)
+    old_lens = state.table.seq_lens  # after the hits: their blocks are not new
+    state, out = step_body(params, state, batch, cfg, shape)
+    own = batch.own if batch.own is not None else jnp.zeros_like(batch.sample)
+    # Fork children wrote nothing: their blocks are their parent's, reported in its row.
+    wrote = batch.query_start[1:] > batch.query_start[:-1]
+    return settle.settle_and_report(state, out, batch.row_slots, own, old_lens, cfg,
+                                    shape.full_width, wrote)
