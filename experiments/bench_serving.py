@@ -32,8 +32,13 @@ import numpy as np
 from experiments.common import pyplot, save_json, save_plot, table
 from paged_jax.study.workloads import make_workload
 
-ENGINE_FLAGS = ["--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--max-model-len",
-                "512", "--no-enable-prefix-caching"]
+# The same engine limits on both servers (and the offline run): batch, token budget, context,
+# block size (32: vLLM's CPU attention takes multiples of 32), KV bytes, no prefix caching.
+LIMITS = dict(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=512, block_size=32,
+              kv_cache_gib=1)
+ENGINE_FLAGS = ["--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--max-model-len",
+                "512", "--block-size", "32", "--kv-cache-memory", str(1 << 30),
+                "--no-enable-prefix-caching"]
 
 
 async def one(client, url: str, model: str, item, t0: float, timeout: float) -> dict:
@@ -108,14 +113,15 @@ def start_server(model: str | None, flags: list[str]) -> tuple[subprocess.Popen,
 def start_vllm(python: str, name: str) -> tuple[subprocess.Popen, str]:
     """vLLM's OpenAI server (its CPU build, in its own venv: `make peers`) on the default
     model exported to a Hugging Face folder, with the same engine limits as ours."""
-    from experiments.peers_vllm import export_hf_folder
+    from experiments.peer_vllm import export_hf_folder
 
     port = _free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model",
            str(export_hf_folder()), "--served-model-name", name, "--port", str(port),
            "--dtype", "float32", "--max-num-seqs", "16", "--max-model-len", "512",
-           "--max-num-batched-tokens", "512", "--no-enable-prefix-caching"]
-    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
+           "--max-num-batched-tokens", "512", "--block-size", "32",
+           "--no-enable-prefix-caching"]
+    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
            "HF_HUB_OFFLINE": "1"}
     return _wait(subprocess.Popen(cmd, env=env), port)
 
@@ -148,8 +154,8 @@ def offline(model: str | None, items) -> dict:
     """The same requests through LLM.generate (all at once), with the server's engine flags."""
     from paged_jax import LLM, SamplingParams
 
-    llm = LLM(model, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512,
-              enable_prefix_caching=False)
+    llm = LLM(model, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=512,
+              block_size=32, kv_cache_memory=1 << 30, enable_prefix_caching=False)
     sps = [SamplingParams(temperature=0.0, max_tokens=it.output_len, ignore_eos=True)
            for it in items]
     prompts = [{"prompt_token_ids": it.prompt_token_ids} for it in items]
@@ -236,7 +242,7 @@ def main(argv: list[str] | None = None, name: str = "bench_serving") -> dict:
     rows = sweep(proc, url, model, tok, a, "paged-jax")
     if a.vllm_python:
         rows += sweep(*start_vllm(a.vllm_python, model), model, tok, a, "vllm")
-    out = dict(requests=a.requests, scale=a.scale, cv=a.cv, rows=rows)
+    out = dict(requests=a.requests, scale=a.scale, cv=a.cv, limits=LIMITS, rows=rows)
     if a.offline:
         items = make_workload("sharegpt", a.requests, float("inf"), tok, seed=a.seed,
                               scale=a.scale, max_model_len=512)

@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,34 +15,81 @@ import jax
 RESULTS = Path(os.environ.get("PAGED_JAX_RESULTS", "results"))
 
 
-def provenance() -> dict:
-    """Which commit and machine produced a result."""
+def _git(*args: str) -> str:
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-        dirty = bool(subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, check=False).stdout.strip())
+        return subprocess.run(["git", *args], capture_output=True, text=True,
+                              check=False).stdout.strip()
     except OSError:
-        commit, dirty = "unknown", False
+        return ""
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def versions(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Versions of the libraries a measurement ran on (those installed here), plus `extra`
+    (a peer measured in its own venv reports its own)."""
+    from importlib import metadata
+
+    out = {}
+    for name in ("jax", "jaxlib", "numpy", "torch", "transformers", "vllm", "llama_cpp_python"):
+        try:
+            out[name] = metadata.version(name.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            pass
+    return {**out, **(extra or {})}
+
+
+def provenance(extra_versions: dict[str, str] | None = None) -> dict:
+    """Which commit, machine, libraries and command produced a result."""
+    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
     return {
         "commit": commit + ("+dirty" if dirty else ""),
-        "machine": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": platform.platform(),
+        "cpu": cpu_model(),
+        "cpus": os.cpu_count(),
+        "backend": jax.default_backend(),
+        "versions": versions(extra_versions),
+        "command": " ".join(["python", "-m", _module()] + sys.argv[1:]),
     }
 
 
-def save_json(name: str, payload: dict) -> Path:
+def _module() -> str:
+    """The experiment module being run (`python -m experiments.X`), from argv[0]."""
+    path = Path(sys.argv[0])
+    if path.parent.name == "experiments":
+        return f"experiments.{path.stem}"
+    return path.stem
+
+
+def save_json(name: str, payload: dict, extra_versions: dict[str, str] | None = None) -> Path:
     """Writes results/<name>.json with provenance attached; returns the path."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"provenance": provenance(), **payload}, indent=2))
+    path.write_text(json.dumps({"provenance": provenance(extra_versions), **payload},
+                               indent=1, default=_plain) + "\n")
     return path
+
+
+def _plain(x):
+    """JSON for numpy scalars and arrays in payloads."""
+    import numpy as np
+
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"not JSON serializable: {type(x)}")
 
 
 def save_plot(name: str, fig) -> Path:
@@ -74,3 +122,37 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+# ---- verdicts that can fail -----------------------------------------------------------------
+def spread(runs: list[float]) -> float:
+    """Half the range of repeated runs: how far one run strays from the middle."""
+    return (max(runs) - min(runs)) / 2 if runs else 0.0
+
+
+def target_verdict(runs: list[float], target: float, higher_is_better: bool = True) -> dict:
+    """"met" only when the median clears `target` by more than the runs' spread; "not met"
+    when it misses by more than that; otherwise "not separable" (a tie within the noise).
+    One run has no spread: its verdict says so."""
+    import statistics
+
+    med = statistics.median(runs)
+    margin = (med - target) if higher_is_better else (target - med)
+    s = spread(runs)
+    verdict = ("met" if margin > s else "not met" if margin < -s else "not separable")
+    if len(runs) < 2:
+        verdict += " (one run: no spread measured)"
+    return dict(median=med, target=target, margin=margin, spread=s, runs=list(runs),
+                verdict=verdict)
+
+
+def compare(ours: list[float], theirs: list[float]) -> dict:
+    """Two sides' repeated runs (higher is better): the ratio of medians, and whether the
+    difference exceeds both sides' spreads added ("not separable" otherwise)."""
+    import statistics
+
+    a, b = statistics.median(ours), statistics.median(theirs)
+    s = spread(ours) + spread(theirs)
+    verdict = "higher" if a - b > s else "lower" if b - a > s else "not separable"
+    return dict(ours=a, theirs=b, ratio=a / b if b else float("inf"), spread=s,
+                verdict=verdict)

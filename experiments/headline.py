@@ -5,7 +5,7 @@
 1. KV memory breakdown (paper Fig. 2) on a ShareGPT-like burst, tiny model.
 2. One latency-vs-rate panel (paper Fig. 12), ShareGPT-like, tiny model, on the modeled
    A100 clock (paged_jax/study/cost_model.py: the engine runs for real, time is a roofline model).
-3. paged-jax vs Hugging Face transformers on SmolLM2-135M (small batch, fp32).
+3. paged-jax vs Hugging Face transformers on SmolLM2-135M (8 prompts, experiments/bench.py).
 Each writes results/<name>.json and .png; a summary table is printed at the end.
 """
 
@@ -16,7 +16,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from experiments import latency_vs_rate, memory_breakdown, peers
+from experiments import bench, latency_vs_rate, memory_breakdown
 from experiments.common import table
 
 # Fractions of paging's capacity for the condensed latency panel (the full one has more).
@@ -34,9 +34,9 @@ def main(full: bool = False) -> dict:
                                policies=memory_breakdown.POLICIES,
                                fractions=latency_vs_rate.FRACTIONS if full else HEADLINE_RATES,
                                name="headline_latency", progress=bar.update)
-    peer = peers.main(prompts=16 if full else 8, tokens=64 if full else 32,
-                      dtypes=("float32",), batch=8, name="headline_peers", progress=bar.update)
     bar.close()
+    peer = bench.main(["--sides", "ours", "hf", "--rows", "batch 8", "--rounds", "2",
+                       "--name", "headline_bench"])
     summary(mem, lat, peer, time.perf_counter() - t0)
     return dict(memory=mem, latency=lat, peers=peer)
 
@@ -53,11 +53,12 @@ def summary(mem: dict, lat: dict, peer: dict, seconds: float) -> None:
           "modeled A100 clock; paper: 1.7-2.7x Orca-Oracle, 2.7-8x Orca-Max) ==")
     print(table(rows, ["policy", "token_states", "paper", "mean_batch", "max_rate",
                        "vllm_rate_ratio"]))
-    p = peer["rows"][0]
-    print(f"\nSmolLM2-135M {p['dtype']}: paged-jax {p['paged_jax_tok_s']:.1f} tok/s, "
-          f"HF generate {p['hf_tok_s']:.1f} tok/s (x{p['ratio']:.2f}); "
-          f"roofline {p['achieved_GBps']:.2f} of {p['machine_GBps']:.1f} GB/s")
-    print(f"\nplots: {mem['png']}, {lat['png']}, {peer['png']}   ({seconds:.0f} s)")
+    sides = {e["side"]: e for e in peer["rows"]}
+    ours, fp32 = sides["paged-jax float32"], sides["HF generate() float32"]
+    print(f"\nSmolLM2-135M, 8 chat prompts x 32 tokens: paged-jax {ours['tok_s']:.1f} tok/s, "
+          f"HF generate() float32 {fp32['tok_s']:.1f} (ours {fp32['ours_over_side']:.2f}x, "
+          f"{fp32['verdict']}); matmul chain {ours['limit_tok_s']:.0f} tok/s")
+    print(f"\nplots: {mem['png']}, {lat['png']}   ({seconds:.0f} s)")
 
 
 if __name__ == "__main__":

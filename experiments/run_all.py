@@ -1,4 +1,6 @@
-"""`make experiments`: every experiment at full scale (long: tens of minutes on 2 CPU cores)."""
+"""`make experiments`: every experiment the README quotes, at full scale (hours on 2 CPU
+cores; `--skip NAME ...` leaves some out). The benchmarks against vLLM and llama.cpp include
+them where `make peers` installed them."""
 
 from __future__ import annotations
 
@@ -6,19 +8,25 @@ import argparse
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from experiments import (
     batch_under_budget,
+    bench,
+    bench_serving,
     block_size,
+    kv_quantization,
     latency_vs_rate,
     memory_breakdown,
-    peers,
     preemption,
     routing,
     sampling_sharing,
     scaling,
+    shared_prefix,
     sliding_window_kv,
 )
+
+VLLM = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 
 FULL = [
     (memory_breakdown, dict(requests=96)),
@@ -28,10 +36,14 @@ FULL = [
     (block_size, dict(sizes=(4, 8, 16, 32, 64, 128, 256), requests=48)),
     (sampling_sharing, dict(requests=32)),
     (preemption, dict(sizes=(8, 16, 32, 64, 128, 256), requests=32)),
-    (peers, dict(prompts=64, tokens=128, extra_models=("gemma3",))),
+    (shared_prefix, dict(real=True)),
     (sliding_window_kv, dict()),
+    (kv_quantization, dict(argv=[])),
     (routing, dict(argv=[])),
     (scaling, dict(argv=[])),
+    (bench, dict(argv=[])),
+    (bench_serving, dict(argv=["--requests", "32", "--rates", "1", "2", "inf", "--offline"]
+                          + (["--vllm-python", str(VLLM)] if VLLM.exists() else []))),
 ]
 
 

@@ -127,6 +127,8 @@ class LLM:
       data_parallel_size: replicas of the engine, each with its own pool (and its own
         tensor_parallel_size devices); `generate` sends each request to the replica with
         the fewest outstanding tokens (engine/balance.py's Balancer) and steps them all.
+      static_shapes: pad every device call to its largest shape (one compiled program per
+        kind of call instead of one per bucket): compiles less, computes more on small steps.
       model_parts: (config, params, tokenizer) to use instead of loading `model`.
     """
 
@@ -139,7 +141,7 @@ class LLM:
         enable_prefix_caching: bool = True, tokenizer: str | None = None,
         swap_space: float = 4, gpu_memory_utilization: float | None = None,
         kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
-        data_parallel_size: int = 1, **unsupported,
+        data_parallel_size: int = 1, static_shapes: bool = False, **unsupported,
     ):
         if unsupported:
             raise TypeError(f"LLM() got unsupported arguments: {sorted(unsupported)}")
@@ -173,7 +175,8 @@ class LLM:
             preemption_mode=preemption_mode, decode_window=decode_window,
             backend=attention_backend, max_logprobs=max_logprobs, seed=seed,
             enable_prefix_caching=enable_prefix_caching, swap_space=int(swap_space * (1 << 30)),
-            kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size)
+            kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size,
+            static_shapes=static_shapes)
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         self.replicas = [Engine(config, params, tok, dataclasses.replace(

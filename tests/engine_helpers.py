@@ -13,8 +13,12 @@ from paged_jax.study.reservation import policy_for
 
 CHECK = os.environ.get("PAGED_JAX_CHECK", "1") == "1"  # KVManager.check after every step
 
+# static_shapes: one program per kind of call (engine/batch.py), so the many tests whose
+# subject is not the shape buckets compile a few programs, not one per bucket. The engine's
+# own tests (test_engine.py, test_engine_random.py, test_batch.py) run the buckets users get.
 BASE = dict(block_size=8, num_kv_blocks=160, max_num_seqs=8, max_num_batched_tokens=64,
-            max_model_len=256, decode_window=8, max_logprobs=4)
+            max_model_len=256, decode_window=8, max_logprobs=4, static_shapes=True)
+BUCKETS = dict(static_shapes=False)  # what a user's engine does
 
 
 @functools.cache

@@ -25,7 +25,7 @@ def tiny_pair() -> tuple[LLM, LLM, head_lib.Head]:
     cfg, tok = tiny_config(), byte_tokenizer()
     weak, strong = (LLM(model_parts=(cfg, random_params(cfg, seed=s), tok), max_num_seqs=8,
                         max_num_batched_tokens=128, max_model_len=1100, block_size=8,
-                        num_kv_blocks=1200) for s in (0, 1))
+                        num_kv_blocks=1200, static_shapes=True) for s in (0, 1))
     f = len(feat.NAMES)
     w2 = np.zeros((head_lib.HIDDEN, 2), np.float32)
     w2[0, 1] = 4.0

@@ -14,7 +14,7 @@ from tests.engine_helpers import model
 
 MODEL = "tiny"
 ENGINE = dict(block_size=8, num_kv_blocks=160, max_num_seqs=8, max_num_batched_tokens=64,
-              max_model_len=256, decode_window=4)
+              max_model_len=256, decode_window=4, static_shapes=True)
 
 
 def tiny_llm(**overrides) -> LLM:

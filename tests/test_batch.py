@@ -16,9 +16,9 @@ from paged_jax.engine.step import StepShape, run_step
 from paged_jax.engine.window import decode_batch
 from paged_jax.sample.sampler import SampleFlags
 from paged_jax.sampling_params import SamplingParams
-from tests.engine_helpers import BASE, GREEDY, engine, run
+from tests.engine_helpers import BASE, BUCKETS, GREEDY, engine, run
 
-EC = engine().config  # block 8, 8 slots, budget 64, max_model_len 256 (P = 32)
+EC = engine(**BUCKETS).config  # block 8, 8 slots, budget 64, max_model_len 256 (P = 32)
 
 
 def running(n: int, length: int = 20, params: SamplingParams = GREEDY) -> list[Sequence]:
@@ -88,7 +88,7 @@ def test_flags_follow_the_requests():
 
 
 def test_cumulative_logprob_only_when_asked():
-    outs = run(engine(), [("a", "x", GREEDY), ("b", "x", dataclasses.replace(GREEDY, logprobs=0))])
+    outs = run(engine(**BUCKETS), [("a", "x", GREEDY), ("b", "x", dataclasses.replace(GREEDY, logprobs=0))])
     assert outs["a"].outputs[0].cumulative_logprob is None
     assert outs["b"].outputs[0].cumulative_logprob < 0
 
@@ -96,7 +96,7 @@ def test_cumulative_logprob_only_when_asked():
 def test_a_copy_beyond_max_copies_is_refused_not_written():
     """Two slots share a partly filled block; a write needs a copy. Told that no row may
     share (max_copies 0) the step refuses (ok False, nothing changed); with 1 it copies."""
-    eng = engine()
+    eng = engine(**BUCKETS)
     st = eng.state
     table = pt.add_sequence(st.table, 0)
     pool, table, _, _ = pt.reserve_tokens(st.pool, table, jnp.zeros(8, jnp.int32).at[0].set(5))

@@ -75,7 +75,7 @@ def test_forced_preemption_loses_nothing(batched, mode):
 def test_parallel_sampling_and_beam_search():
     c, params, tok = model()
     llm = LLM(model_parts=(c, params, tok), max_num_seqs=8, max_model_len=256,
-              num_kv_blocks=160, block_size=8, enable_prefix_caching=True)
+              num_kv_blocks=160, block_size=8, enable_prefix_caching=True, static_shapes=True)
     prompt = SHARED + "tell me more"
     sp = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
     out = llm.generate([prompt], sp, use_tqdm=False)[0]

@@ -9,11 +9,11 @@ import pytest
 
 from experiments import (
     batch_under_budget,
+    bench,
     block_size,
     common,
     latency_vs_rate,
     memory_breakdown,
-    peers,
     preemption,
     sampling_sharing,
     sliding_window_kv,
@@ -115,7 +115,12 @@ def test_sliding_window_kv():
     assert all(r["seqs_grouped"] >= r["seqs_shared"] for r in rows.values())
 
 
-def test_peers():
-    data = load(peers.main(prompts=2, tokens=4, dtypes=("float32",), batch=2))
-    (row,) = data["rows"]
-    assert row["paged_jax_tok_s"] > 0 and row["hf_tok_s"] > 0 and row["machine_GBps"] > 0
+def test_bench_puts_every_side_on_the_same_rows():
+    data = load(bench.main(["--quick", "--sides", "ours", "hf", "--rounds", "2"]))
+    sides = {(e["row"], e["side"]) for e in data["rows"]}
+    assert ("batch 16", "HF generate() bfloat16") in sides and ("prefix",
+                                                                 "paged-jax float32") not in sides
+    for e in data["rows"]:
+        assert len(e["runs"]) == 2 and e["tok_s"] > 0 and e["limit_tok_s"] > 0
+        assert e["agree_first16_with_ours"] >= 0
+    assert data["provenance"]["cpu"] and data["provenance"]["versions"]["jax"]

@@ -7,7 +7,8 @@ from paged_jax.llm import LLM
 from paged_jax.sampling_params import SamplingParams
 from tests.engine_helpers import model
 
-SMALL = dict(num_kv_blocks=32, block_size=8, max_model_len=64, max_num_seqs=4)
+SMALL = dict(num_kv_blocks=32, block_size=8, max_model_len=64, max_num_seqs=4,
+             static_shapes=True)
 
 
 def test_chat_template_argument_replaces_the_models():

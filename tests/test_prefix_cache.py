@@ -185,7 +185,8 @@ def test_caching_is_on_by_default_and_can_be_turned_off():
 def test_llm_flag_reaches_the_engine():
     from paged_jax.llm import LLM
     from tests.engine_helpers import model
-    on = LLM(model_parts=model(), num_kv_blocks=16, block_size=8, max_model_len=64)
+    on = LLM(model_parts=model(), num_kv_blocks=16, block_size=8, max_model_len=64,
+             static_shapes=True)
     off = LLM(model_parts=model(), num_kv_blocks=16, block_size=8, max_model_len=64,
               enable_prefix_caching=False)
     assert on.llm_engine.prefix is not None and off.llm_engine.prefix is None

@@ -173,7 +173,7 @@ def test_kept_requests_cost_the_weak_model_nothing_more(pair):
     cfg, tok = tiny_config(), byte_tokenizer()
     mk = lambda: LLM(model_parts=(cfg, random_params(cfg, seed=0), tok), max_num_seqs=8,  # noqa: E731
                      max_num_batched_tokens=64, max_model_len=256, block_size=8,
-                     num_kv_blocks=160, enable_prefix_caching=False)
+                     num_kv_blocks=160, enable_prefix_caching=False, static_shapes=True)
     a, b = mk(), mk()
     a.generate(PROMPTS, probe, use_tqdm=False)
     outs = RoutedLLM(b, strong, head, threshold=np.inf).generate(PROMPTS, SP)

@@ -121,17 +121,26 @@ def test_client_leaving_mid_stream_aborts_and_frees_blocks():
         assert engine.kv.blocks_used() == 0 and not engine.has_unfinished()
         res = client(srv).completions.create(model=MODEL, prompt="still serving", **GREEDY)
         assert res.choices[0].text == offline(["still serving"])[0]
-        # A non-streaming client that gives up is noticed too.
-        body.update(stream=False, max_tokens=240)
-        with pytest.raises(httpx.TimeoutException):  # gives up long before 240 tokens are done
+
+
+def test_a_non_streaming_client_that_gives_up_is_noticed():
+    """The request needs 4000 tokens (seconds even on a fast spell: the tiny model decodes
+    about 1,600 tokens/s at best here), the client gives up after 0.15 s: an abort, never a
+    finished request (at 240 tokens a fast spell could finish first)."""
+    with serve(max_model_len=4096, num_kv_blocks=560) as srv:
+        engine = srv.app.state.models[MODEL].engine.engine
+        body = dict(model=MODEL, prompt="a long one", max_tokens=4000, temperature=0.0,
+                    ignore_eos=True)
+        with pytest.raises(httpx.TimeoutException):
             httpx.post(srv.url + "/v1/completions", json=body, timeout=0.15)
-        deadline = time.time() + 30
-        while time.time() < deadline and metric(
-                httpx.get(srv.url + "/metrics", timeout=10).text, "vllm:request_success_total",
-                finished_reason="abort") < 2:
+        deadline, text = time.time() + 30, ""
+        while time.time() < deadline:
+            text = httpx.get(srv.url + "/metrics", timeout=10).text
+            if metric(text, "vllm:request_success_total", finished_reason="abort") == 1:
+                break
             time.sleep(0.2)
-        text = httpx.get(srv.url + "/metrics", timeout=10).text
-        assert metric(text, "vllm:request_success_total", finished_reason="abort") == 2
+        assert metric(text, "vllm:request_success_total", finished_reason="abort") == 1
+        assert metric(text, "vllm:request_success_total", finished_reason="length") == 0
         assert not engine.has_unfinished() and engine.kv.blocks_used() == 0
 
 

@@ -127,7 +127,7 @@ def test_smollm2_tp3_matches_one_device():
     from paged_jax import LLM
 
     kw = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=128,
-              kv_cache_memory=8 << 20)
+              kv_cache_memory=8 << 20, static_shapes=True)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     ps = ["The capital of France is", "def fib(n):", "Once upon a time", "2 + 2 ="]
     one = [o.outputs[0].token_ids for o in LLM(**kw).generate(ps, sp, use_tqdm=False)]

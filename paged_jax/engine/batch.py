@@ -24,6 +24,9 @@ its work costs while the number of compiled programs stays small:
       full_width      with prefix caching, the most blocks a row can fill: cdiv(max_q, K)
                       for a step, cdiv(W, K) for a window (0 without: nothing reported)
     ops               always sent (no-op arrays when nothing is queued): one program either way
+    static_shapes     (EngineConfig) every bucket at its largest and every sampler feature on:
+                      R = max_num_seqs, T = the budget, max_q = T, P pages; one program per
+                      kind of call (the sampler's flags only ever skip work: same tokens)
 """
 
 from __future__ import annotations
@@ -105,6 +108,8 @@ PAGED_COST_BACKENDS = ("reference", "pallas")
 
 
 def _flags(rows: list[Sequence], ec) -> smp.SampleFlags:
+    if ec.static_shapes:
+        return smp.SampleFlags(num_top_logprobs=ec.max_logprobs)  # every feature on
     reqs = {id(s.owner): s.owner for s in rows}.values()
     return smp.SampleFlags.of([r.params for r in reqs], ec.max_logprobs)
 
@@ -113,7 +118,7 @@ def _copies(chunks: list[tuple[Sequence, int]], ec, rows: int) -> int:
     """Copy-on-write bound: all rows when any writes into a last block that may be shared
     (as the KV manager counts them), else none."""
     shared = any(copies_on_write(seq, c, ec.block_size) for seq, c in chunks)
-    return rows if shared else 0
+    return rows if shared or ec.static_shapes else 0
 
 
 def build_admissions(
@@ -163,12 +168,7 @@ def build_step(
              if seq.num_computed + n == len(seq.tokens) and seq.owner.params.n > 1
              and not seq.owner.forked and seq.index == 0]
     rows = [seq for seq, _ in chunks] + [c for _, cs in forks for c in cs]
-    r = next_pow2(len(rows), ec.max_num_seqs // 4)
-    total = sum(n for _, n in chunks)
-    num_long = sum(1 for _, n in chunks if n > 1)
-    top = next_pow2(ec.max_num_batched_tokens)
-    t = next_pow2(total, max(8, top // 4)) if num_long else r
-    t = top if num_long and t > top // 4 else t
+    r, t = _step_buckets(chunks, len(rows), ec)
     tok, pos, rows_of = np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, -1, np.int32)
     row_slots, qs, sample = np.full(r, -1, np.int32), np.zeros(r + 1, np.int32), np.zeros(r, bool)
     o = 0
@@ -183,7 +183,7 @@ def build_step(
     pairs = [(row_of[id(p)], row_of[id(c)], c.index) for p, cs in forks for c in cs]
     for i, c in enumerate(rows[len(chunks):], start=len(chunks)):
         row_slots[i], sample[i] = c.slot, True
-    f = next_pow2(len(pairs))
+    f = ec.max_num_seqs if ec.static_shapes else next_pow2(len(pairs))
     fs, fd, fi = (np.full(f, -1, np.int32) for _ in range(3))
     for j, (a, b, c) in enumerate(pairs):
         fs[j], fd[j], fi[j] = a, b, c
@@ -196,6 +196,19 @@ def build_step(
     arrays = (tok, pos, rows_of, row_slots, qs, sample, fs, fd, fi, next_ids)
     admit = build_admissions(plan.admits, ec, shape.flags, eos_ids, vocab_size)
     return StepBatch(*arrays[:-1], admit=admit, next_ids=arrays[-1]), shape, forks, rows
+
+
+def _step_buckets(chunks: list[tuple[Sequence, int]], num_rows: int, ec) -> tuple[int, int]:
+    """Rows R and tokens T of a ragged step (the module docstring's rules)."""
+    top = next_pow2(ec.max_num_batched_tokens)
+    if ec.static_shapes:
+        return ec.max_num_seqs, max(top, next_pow2(ec.max_num_seqs))
+    r = next_pow2(num_rows, ec.max_num_seqs // 4)
+    total = sum(n for _, n in chunks)
+    if not any(n > 1 for _, n in chunks):
+        return r, r
+    t = next_pow2(total, max(8, top // 4))
+    return r, top if t > top // 4 else t
 
 
 def _next_ids(chunks: list[tuple[Sequence, int]], t: int) -> np.ndarray | None:
@@ -219,14 +232,20 @@ def _step_shape(chunks, t: int, r: int, rows: list[Sequence], ec, backend: str) 
     num_long = sum(1 for _, n in chunks if n > 1)
     max_q = 1 if not num_long else max(1, t // 8) if longest <= t // 8 else t
     long_rows = None if not num_long else 1 if num_long == 1 else 4 if num_long <= 4 else r
+    if ec.static_shapes:
+        max_q, long_rows = t, None
     paged = backend in PAGED_COST_BACKENDS
     full = cdiv(max_q, ec.block_size) if ec.enable_prefix_caching else 0
     return StepShape(
         max_q=max_q, max_q_rows=min(long_rows, r) if long_rows else None,
         max_new_blocks=next_pow2(cdiv(max_q, ec.block_size) + 1),
         max_copies=_copies(chunks, ec, r),
-        max_pages=page_bucket(max(s.num_computed + n for s, n in chunks), ec) if paged else None,
+        max_pages=_pages(max(s.num_computed + n for s, n in chunks), ec) if paged else None,
         flags=_flags(rows, ec), full_width=full)
+
+
+def _pages(num_tokens: int, ec) -> int:
+    return page_bucket(ec.max_model_len if ec.static_shapes else num_tokens, ec)
 
 
 def build_window(
@@ -234,15 +253,18 @@ def build_window(
 ) -> tuple[np.ndarray, np.ndarray, StepShape, list[Sequence]]:
     """A decode window's rows: (row_slots [R], tokens [R], shape, rows)."""
     rows = [seq for seq, _ in plan.chunks]
-    r, w = next_pow2(len(rows)), ec.decode_window
+    r = ec.max_num_seqs if ec.static_shapes else next_pow2(len(rows))
+    w = ec.decode_window
     row_slots, tokens = np.full(r, -1, np.int32), np.zeros(r, np.int32)
     for i, seq in enumerate(rows):
         row_slots[i], tokens[i] = seq.slot, seq.tokens[-1]
     ends = [seq.num_computed + w for seq in rows]
+    if ec.static_shapes:
+        ends = [ec.max_model_len] * r
     flat = backend == "reference"
     shape = StepShape(
         max_q=1, max_copies=_copies(plan.chunks, ec, r),
-        max_pages=page_bucket(max(ends), ec) if backend == "pallas" else None,
+        max_pages=_pages(max(ends), ec) if backend == "pallas" else None,
         decode_pages=decode_page_bucket(ends, ec, r) if flat else None, flags=_flags(rows, ec),
         full_width=cdiv(w, ec.block_size) if ec.enable_prefix_caching else 0)
     return row_slots, tokens, shape, rows

@@ -37,6 +37,10 @@ class EngineConfig:
         width, vocabulary; paged_jax/models/parallel.py); 1 = one device.
       first_device: the engine runs on devices first_device .. + tensor_parallel_size - 1
         (data-parallel replicas take consecutive ranges).
+      static_shapes: pad every call to the largest shape, with every sampler feature on:
+        one program per kind of call (step, window, ops) instead of one per bucket. Fewer
+        compiles (tests; an accelerator whose programs are few and fixed), more padded work
+        on small steps; the same tokens (engine/batch.py).
     """
 
     block_size: int = 16
@@ -56,6 +60,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     first_device: int = 0
+    static_shapes: bool = False
 
     def __post_init__(self) -> None:
         kv_quant.storage_dtype(self.kv_cache_dtype, "float32")  # a clear error if unknown

@@ -1,0 +1,316 @@
+"""`make bench`: paged-jax beside what a user would pick instead, every side in one run, on
+the same terms, with the machine's limit on every row.
+
+    python -m experiments.bench [--model smollm2] [--rounds 3] [--sides ours hf vllm llamacpp]
+                                [--quick]
+
+Sides (each where installed; `make peers` builds vLLM's and llama.cpp's venvs):
+  ours        paged-jax `LLM.generate`, float32 (its "auto" dtype on CPU)
+  hf          transformers `generate()`, float32 and bfloat16, one static batch per run
+  vllm        vLLM's CPU build (offline `LLM.generate`), float32 and bfloat16
+  llamacpp    llama.cpp (llama-cpp-python) on the same GGUF, computing with its own weight
+              types; every prompt of a run is a parallel sequence of one context
+
+Rows (chat prompts through the model's template, greedy, exactly T tokens each, EOS ignored):
+  batch 1     1 prompt x 64 tokens        limit: bandwidth roofline (weights + K/V per token)
+  batch 16    16 prompts x 128 tokens     limit: the model's matmul chain at batch 16 (XLA)
+  batch 64    64 prompts x 128 tokens     limit: the matmul chain at batch 64
+  prefix      16 prompts sharing a system prompt x 64 tokens, prefix caching on for paged-jax
+              and vLLM (a warm-up run fills the cache; HF has none)
+
+Same terms: at most 64 sequences and 512 tokens per step, 512-token context, 32-token
+blocks, 1 GiB of KV cache, prefix caching off except in the prefix row. Every side runs every
+row once per round, in an order that rotates each round (a warm-up run first compiles or
+loads what it needs); each reports the median of its rounds and their spread (half the
+range). A ratio to ours is "not separable" when the two medians differ by less than their
+spreads added. Writes results/bench[_MODEL].json with provenance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from experiments import common, hf
+from experiments.peer_protocol import Worker
+from experiments.prompts import SYSTEM, prompt_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMITS = dict(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=512, block_size=32,
+              kv_cache_gib=1)
+ROWS = {"batch 1": (1, 64, False), "batch 16": (16, 128, False), "batch 64": (64, 128, False),
+        "prefix": (16, 64, True)}  # name: (prompts, tokens each, prefix caching)
+EXTRA_ROWS = {"batch 8": (8, 32, False)}  # `make run`'s short comparison
+QUICK_ROWS = {"batch 1": (1, 8, False), "batch 16": (4, 8, False), "prefix": (4, 8, True)}
+
+
+class Ours:
+    """paged-jax, float32, with the shared limits (prefix caching per `caching`)."""
+
+    def __init__(self, parts, caching: bool):
+        from paged_jax import LLM
+
+        self.name = "paged-jax float32" + (" +prefix cache" if caching else "")
+        self.llm = LLM(model_parts=parts, enable_prefix_caching=caching,
+                       kv_cache_memory=LIMITS["kv_cache_gib"] << 30,
+                       **{k: v for k, v in LIMITS.items() if k != "kv_cache_gib"})
+        self.settings = dict(dtype="float32", enable_prefix_caching=caching,
+                             decode_window=self.llm.engine_config.decode_window,
+                             attention_backend=self.llm.llm_engine.runner.cfg.backend, **LIMITS)
+        self.versions = {}
+
+    def run(self, prompts: list[list[int]], tokens: int) -> dict:
+        from paged_jax import SamplingParams
+
+        eng = self.llm.llm_engine
+        eng.recorder = steps = []
+        sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        busy, device = sum(s.duration for s in steps), sum(s.device for s in steps)
+        return dict(seconds=seconds, tokens=[o.outputs[0].token_ids for o in outs],
+                    host_share=1 - device / busy if busy else 0.0)
+
+    def close(self) -> None:
+        pass
+
+
+class HF:
+    """transformers `generate()`: all prompts as one left-padded static batch."""
+
+    def __init__(self, model: str, dtype: str, pad: int):
+        import torch
+        import transformers
+
+        self.name, self.pad = f"HF generate() {dtype}", pad
+        self.model = hf.model(dtype, model)
+        self.settings = dict(dtype=dtype, batching="one static batch per run",
+                             threads=torch.get_num_threads())
+        self.versions = dict(torch=torch.__version__, transformers=transformers.__version__)
+
+    def run(self, prompts: list[list[int]], tokens: int) -> dict:
+        t0 = time.perf_counter()
+        out = hf.generate(self.model, prompts, tokens, self.pad)
+        return dict(seconds=time.perf_counter() - t0, tokens=out)
+
+    def close(self) -> None:
+        pass
+
+
+class Peer:
+    """A side in its own venv (experiments/peer_protocol.py)."""
+
+    def __init__(self, name: str, argv: list[str]):
+        self.name = name
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.worker = Worker(argv, env=env, cwd=str(ROOT))
+        self.settings, self.versions = self.worker.settings, self.worker.versions
+
+    def run(self, prompts: list[list[int]], tokens: int) -> dict:
+        return self.worker.run(prompts, tokens)
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def make_sides(names: list[str], model: str, parts) -> list:
+    """The sides asked for that are installed here (a missing peer is reported, not fatal)."""
+    sides, py = [], lambda venv: ROOT / venv / "bin" / "python"
+    if "ours" in names:
+        sides += [Ours(parts, False), Ours(parts, True)]
+    if "hf" in names:
+        pad = parts[2].eos_token_ids[0]
+        sides += [HF(model, d, pad) for d in ("float32", "bfloat16")]
+    if "vllm" in names and _installed(py(".venv-vllm"), "vllm"):
+        base = [str(py(".venv-vllm")), str(ROOT / "experiments/peer_vllm.py"), "--model",
+                model, "--kv-gib", str(LIMITS["kv_cache_gib"]), "--block-size",
+                str(LIMITS["block_size"]), "--max-seqs", str(LIMITS["max_num_seqs"]),
+                "--max-tokens-per-step", str(LIMITS["max_num_batched_tokens"]),
+                "--max-len", str(LIMITS["max_model_len"])]
+        sides += [Peer(f"vLLM {d}", base + ["--dtype", d]) for d in ("float32", "bfloat16")]
+        sides.append(Peer("vLLM float32 +prefix cache",
+                          base + ["--dtype", "float32", "--prefix-caching"]))
+    if "llamacpp" in names and _installed(py(".venv-llama"), "llama_cpp"):
+        from paged_jax.models import model_path
+
+        sides.append(Peer("llama.cpp (GGUF weights)", [
+            str(py(".venv-llama")), str(ROOT / "experiments/peer_llamacpp.py"),
+            str(model_path(model)), "--max-seqs", str(LIMITS["max_num_seqs"]),
+            "--max-len", str(LIMITS["max_model_len"])]))
+    return sides
+
+
+def _installed(python: Path, module: str) -> bool:
+    import subprocess
+
+    if not python.exists():
+        print(f"(no {python.parent.parent.name}: `make peers` builds it)", flush=True)
+        return False
+    ok = subprocess.run([str(python), "-c", f"import {module}"], capture_output=True).returncode
+    return ok == 0
+
+
+def applies(side, caching: bool) -> bool:
+    """Which sides run a row: the prefix row is for the caching sides, plus HF (which has no
+    prefix cache) as the reference; the other rows for every side without caching."""
+    if "+prefix cache" in side.name:
+        return caching
+    return side.name.startswith("HF") or not caching
+
+
+def measure(sides: list, rows: dict, tok, rounds: int) -> dict:
+    """Every side on every row it applies to, `rounds` times, in a rotating order."""
+    runs: dict = {r: {s.name: [] for s in sides if applies(s, rows[r][2])} for r in rows}
+    firsts: dict = {r: {} for r in rows}
+    work = {r: _workload(tok, n, caching) for r, (n, _, caching) in rows.items()}
+    for r, (_n, tokens, caching) in rows.items():  # warm-up: compile, load, fill caches
+        for s in sides:
+            if applies(s, caching):
+                s.run(work[r], tokens)
+    for k in range(rounds):
+        order = sides[k % len(sides):] + sides[:k % len(sides)]
+        for r, (_n, tokens, caching) in rows.items():
+            for s in (s for s in order if applies(s, caching)):
+                res = s.run(work[r], tokens)
+                runs[r][s.name].append(res)
+                firsts[r].setdefault(s.name, [t[:16] for t in res["tokens"]])
+                print(f"round {k} {r:8s} {s.name:28s} {res['seconds']:7.2f} s", flush=True)
+    return dict(runs=runs, firsts=firsts, work=work)
+
+
+def _workload(tok, n: int, caching: bool) -> list[list[int]]:
+    return prompt_ids(tok, n, SYSTEM if caching else None)
+
+
+def limits(parts, rows: dict, work: dict) -> dict:
+    """Each row's machine limit in tok/s: the bandwidth roofline for batch 1, else the XLA
+    matmul chain at the row's batch."""
+    from paged_jax.models.llama import prepare_params
+    from paged_jax.study.metrics import kv_bytes_per_token, measure_bandwidth, weight_bytes
+
+    config, params = parts[0], parts[1]
+    bw = measure_bandwidth()
+    out = {}
+    for r, (n, tokens, _) in rows.items():
+        if n == 1:
+            ctx = len(work[r][0]) + tokens / 2
+            per_token = weight_bytes(params) + ctx * kv_bytes_per_token(config, np.float32)
+            out[r] = dict(kind="bandwidth roofline", tok_s=bw / per_token,
+                          bytes_per_s=bw, bytes_per_token=per_token)
+        else:
+            step = chain_seconds(prepare_params(params), n)
+            out[r] = dict(kind="matmul chain", tok_s=n / step, step_ms=1e3 * step)
+    return out
+
+
+def chain_seconds(params, batch: int, repeats: int = 10) -> float:
+    """The model's matmuls alone at `batch` rows in XLA (no attention, norms or sampling),
+    best of `repeats`: what no engine on XLA:CPU can beat."""
+    import jax
+    import jax.numpy as jnp
+
+    layers, embed = params["layers"], params["embed"]
+    head = params["lm_head"] if "lm_head" in params else embed.T  # [E, V]; tied: the embedding
+
+    def chain(layers, head, x):
+        for p in layers:
+            qkv = x @ p["w_qkv"]
+            x = x + qkv[:, :p["wo"].shape[0]] @ p["wo"]
+            x = x + jnp.split(x @ p["w_gate_up"], 2, axis=-1)[0] @ p["w_down"]
+        return x @ head
+
+    f = jax.jit(chain)
+    x = jnp.full((batch, embed.shape[1]), 0.01, embed.dtype)
+    f(layers, head, x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(layers, head, x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def summarize(sides: list, rows: dict, m: dict, lim: dict) -> list[dict]:
+    """One entry per row and side: median tok/s, spread, ratio to ours, agreement."""
+    table = []
+    for r, (n, tokens, caching) in rows.items():
+        ours_name = "paged-jax float32" + (" +prefix cache" if caching else "")
+        ours_tps = [n * tokens / x["seconds"] for x in m["runs"][r][ours_name]]
+        for s in sides:
+            if s.name not in m["runs"][r]:
+                continue
+            tps = [n * tokens / x["seconds"] for x in m["runs"][r][s.name]]
+            entry = dict(row=r, side=s.name, batch=n, tokens=tokens,
+                         tok_s=statistics.median(tps), spread=common.spread(tps), runs=tps,
+                         limit_tok_s=lim[r]["tok_s"], limit=lim[r]["kind"],
+                         share_of_limit=statistics.median(tps) / lim[r]["tok_s"],
+                         agree_first16_with_ours=sum(
+                             a == b for a, b in zip(m["firsts"][r][s.name],
+                                                    m["firsts"][r][ours_name], strict=True)))
+            if s.name != ours_name:
+                cmp = common.compare(ours_tps, tps)
+                entry.update(ours_over_side=cmp["ratio"], verdict=cmp["verdict"])
+            if "host_share" in m["runs"][r][s.name][0]:
+                entry["host_share"] = statistics.median(
+                    x["host_share"] for x in m["runs"][r][s.name])
+            table.append(entry)
+    return table
+
+
+def report(rows: list[dict], sides: list) -> str:
+    lines = ["| row | side | tok/s (median, +-spread) | ours / side | limit | share of limit |",
+             "|---|---|---|---|---|---|"]
+    for e in rows:
+        ratio = (f"{e['ours_over_side']:.2f}x ({e['verdict']})" if "ours_over_side" in e
+                 else "")
+        lines.append(f"| {e['row']} | {e['side']} | {e['tok_s']:.1f} +-{e['spread']:.1f} | "
+                     f"{ratio} | {e['limit']} {e['limit_tok_s']:.0f} | "
+                     f"{e['share_of_limit']:.0%} |")
+    lines.append("\nSettings per side:")
+    lines += [f"  {s.name}: {s.settings}" for s in sides]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sides", nargs="+", default=["ours", "hf", "vllm", "llamacpp"])
+    ap.add_argument("--rows", nargs="+", default=list(ROWS),
+                    help=f"rows to run, of {list(ROWS) + list(EXTRA_ROWS)}")
+    ap.add_argument("--name", default=None, help="results file name (default: bench[_MODEL])")
+    ap.add_argument("--quick", action="store_true", help="tiny rows (a smoke test)")
+    a = ap.parse_args(argv)
+    from experiments import serving as sv
+
+    parts = sv.real_model("float32", a.model)
+    rows = QUICK_ROWS if a.quick else {r: {**ROWS, **EXTRA_ROWS}[r] for r in a.rows}
+    sides = make_sides(a.sides, a.model, parts)
+    try:
+        m = measure(sides, rows, parts[2], a.rounds)
+    finally:
+        for s in sides:
+            s.close()
+    lim = limits(parts, rows, m["work"])
+    table = summarize(sides, rows, m, lim)
+    extra = {k: v for s in sides for k, v in s.versions.items()}
+    payload = dict(config=dict(model=a.model, rounds=a.rounds, rows={r: dict(
+        batch=n, tokens=t, prefix_caching=c) for r, (n, t, c) in rows.items()},
+        limits=LIMITS, greedy=True, ignore_eos=True),
+        sides={s.name: s.settings for s in sides}, limits=lim, rows=table)
+    name = a.name or ("bench" + ("" if a.model == "smollm2" else f"_{a.model}")
+                      + ("_quick" if a.quick else ""))
+    payload["json"] = str(common.save_json(name, payload, extra))
+    print(report(table, sides))
+    return payload
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,82 @@
+"""How long `make test`'s pytest run takes on this machine: cold (empty compile cache, as a
+newcomer's first run) and then warm (the cache that run filled).
+
+    python -m experiments.test_times [--pytest-args ...]
+
+The cold run gets a fresh, empty cache root (PAGED_JAX_CACHE: compiled programs, params,
+native kernels); the warm run reuses it. Also measures what compiling at
+`--xla_backend_optimization_level=0` saves (tests/conftest.py sets it): one engine step
+program of the tests' tiny model, compiled with and without the flag, each in a fresh
+process with the persistent cache off, alternating, three times each (median).
+Writes results/test_times.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from experiments import common
+
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup",
+          "-p", "no:cacheprovider"]
+ONE_PROGRAM = """
+import time, jax
+jax.config.update("jax_enable_compilation_cache", False)
+from tests.engine_helpers import engine, prompts, GREEDY
+eng = engine(check=False)
+for i, p in enumerate(prompts(4)):
+    eng.add_request(str(i), p, GREEDY)
+t = time.perf_counter(); eng.step(); print(time.perf_counter() - t)
+"""
+
+
+def suite(cache: str, extra: list[str]) -> dict:
+    env = {**os.environ, "PAGED_JAX_CACHE": cache}
+    t0 = time.perf_counter()
+    out = subprocess.run(PYTEST + extra, env=env, capture_output=True, text=True)
+    tail = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-500:]
+    return dict(seconds=time.perf_counter() - t0, returncode=out.returncode, summary=tail)
+
+
+def first_step(flags: str) -> float:
+    env = {**os.environ, "XLA_FLAGS": flags, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", ONE_PROGRAM], env=env, capture_output=True,
+                         text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def compile_flag(rounds: int = 3) -> dict:
+    """A first engine step (mostly compiling its program) at -O0 and at XLA's default."""
+    o0, dflt = [], []
+    for _ in range(rounds):
+        o0.append(first_step("--xla_backend_optimization_level=0"))
+        dflt.append(first_step(""))
+    return dict(o0_s=statistics.median(o0), default_s=statistics.median(dflt),
+                o0_runs=o0, default_runs=dflt,
+                saved=1 - statistics.median(o0) / statistics.median(dflt))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pytest-args", nargs="*", default=[])
+    a = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="paged-jax-cold-") as cache:
+        cold = suite(cache, a.pytest_args)
+        warm = suite(cache, a.pytest_args)
+    res = dict(cold=cold, warm=warm, cold_minutes=cold["seconds"] / 60,
+               warm_minutes=warm["seconds"] / 60, workers=2, compile_o0=compile_flag())
+    res["json"] = str(common.save_json("test_times", res))
+    print(f"cold {res['cold_minutes']:.1f} min ({cold['summary']}), warm "
+          f"{res['warm_minutes']:.1f} min ({warm['summary']}); -O0 first step "
+          f"{res['compile_o0']['o0_s']:.1f} s vs {res['compile_o0']['default_s']:.1f} s")
+    return res
+
+
+if __name__ == "__main__":
+    main()
