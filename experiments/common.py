@@ -23,6 +23,22 @@ def _git(*args: str) -> str:
         return ""
 
 
+# The code a measurement runs is the code at its start: commit and whether the measured
+# paths (the library, kernels, experiments, deps) differ from it, read when this module loads,
+# so an edit made elsewhere while a long run goes on does not mark its result.
+CODE_PATHS = ("paged_jax", "kernels", "experiments", "setup.cfg")
+
+
+def _code_state() -> str:
+    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS))
+    return commit + ("+dirty" if dirty else "")
+
+
+CODE_STATE = _code_state()
+START = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo), or the platform's processor string."""
     try:
@@ -49,11 +65,11 @@ def versions(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def provenance(extra_versions: dict[str, str] | None = None) -> dict:
-    """Which commit, machine, libraries and command produced a result."""
-    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
+    """Which commit (as the run started: CODE_STATE), machine, libraries and command produced
+    a result, and when it started and ended."""
     return {
-        "commit": commit + ("+dirty" if dirty else ""),
+        "commit": CODE_STATE,
+        "started": START,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": platform.platform(),
         "cpu": cpu_model(),

@@ -5,7 +5,8 @@
     python -m experiments.provenance --stale    only the tables whose results predate a change
                                                 to the code they measure (rerun those)
 
-The README quotes results inside blocks that name their files:
+The README quotes results inside blocks that name their files (and goals inside
+`<!-- targets -->` ... `<!-- /targets -->`):
 
     <!-- results: results/bench.json -->
     ...numbers quoted from that file...
@@ -27,6 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"<!-- results: (?P<files>[^>]*?) -->(?P<body>.*?)<!-- /results -->", re.S)
+# Targets, not results: goals an experiment is measured against (e.g. the GPU table's bounds).
+TARGETS = re.compile(r"<!-- targets -->.*?<!-- /targets -->", re.S)
 NUMBER = re.compile(r"(?<![\w.])-?\d[\d,]*(?:\.\d+)?(?![\w])")
 # The experiment module that writes each results file (results/<name>.json <- experiments/<name>)
 WRITERS = {"headline_memory": "headline", "headline_latency": "headline",
@@ -39,8 +42,8 @@ def blocks(readme: str) -> list[tuple[list[str], str]]:
 
 
 def outside(readme: str) -> str:
-    """The README without its results blocks."""
-    return BLOCK.sub("", readme)
+    """The README without its results blocks and targets."""
+    return TARGETS.sub("", BLOCK.sub("", readme))
 
 
 def writer(path: str) -> str:

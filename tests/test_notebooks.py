@@ -19,6 +19,14 @@ nbclient = pytest.importorskip("nbclient")
 NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 CELL_TIMEOUT_S = 300
+# The tests run each notebook on a smaller workload than a reader's default: the same cells,
+# fewer requests, lengths and repeats (a cell after the first, parameters, cell sets these).
+TEST_PARAMETERS = {
+    "02_kernels.ipynb": "NUM_LENGTHS = 1000\nTIMING_CONTEXT = 1024\nTIMING_REPEATS = 3",
+    "03_serving.ipynb": "NUM_REQUESTS = 4\nPOLICY_REQUESTS = 8",
+    "04_kv_quantization.ipynb": "TOKENS = 64\nMAX_TOKENS = 8\nPROMPTS = PROMPTS[:2]",
+    "05_routing.ipynb": "BALANCE_REQUESTS = 16",
+}
 
 
 def _ids(paths: list[Path]) -> list[str]:
@@ -45,6 +53,9 @@ def test_notebook_runs(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Executes every cell; a failing cell raises CellExecutionError naming it."""
     monkeypatch.setenv("MPLBACKEND", "Agg")  # the kernel inherits this environment
     nb = nbformat.read(path, as_version=4)
+    first = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
+    if path.name in TEST_PARAMETERS:
+        nb.cells.insert(first + 1, nbformat.v4.new_code_cell(TEST_PARAMETERS[path.name]))
     # sys.prefix, not sys.executable: a venv's python is a symlink to the system one.
     probe = nbformat.v4.new_code_cell("import sys; print(sys.prefix)")
     nb.cells.append(probe)
