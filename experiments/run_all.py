@@ -24,6 +24,7 @@ from experiments import (
     scaling,
     shared_prefix,
     sliding_window_kv,
+    test_times,
 )
 
 VLLM = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
@@ -44,6 +45,7 @@ FULL = [
     (bench, dict(argv=[])),
     (bench_serving, dict(argv=["--requests", "32", "--rates", "1", "2", "inf", "--offline"]
                           + (["--vllm-python", str(VLLM)] if VLLM.exists() else []))),
+    (test_times, dict(argv=[])),  # `make test` cold and warm, last: it runs the suite twice
 ]
 
 

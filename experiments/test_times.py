@@ -1,7 +1,9 @@
 """How long `make test`'s pytest run takes on this machine: cold (empty compile cache, as a
 newcomer's first run) and then warm (the cache that run filled).
 
-    python -m experiments.test_times [--pytest-args ...]
+    python -m experiments.test_times [--tier fast|slow|all] [--pytest-args ...]
+
+`--tier fast` (the default) is `make test` (`-m "not slow"`), `slow` is `make test-slow`.
 
 The cold run gets a fresh, empty cache root (PAGED_JAX_CACHE: compiled programs, params,
 native kernels); the warm run reuses it. Also measures what compiling at
@@ -25,6 +27,7 @@ from experiments import common
 
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup",
           "-p", "no:cacheprovider"]
+TIERS = {"fast": ["-m", "not slow"], "slow": ["-m", "slow"], "all": []}
 ONE_PROGRAM = """
 import time, jax
 jax.config.update("jax_enable_compilation_cache", False)
@@ -64,14 +67,18 @@ def compile_flag(rounds: int = 3) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tier", choices=sorted(TIERS), default="fast")
     ap.add_argument("--pytest-args", nargs="*", default=[])
     a = ap.parse_args(argv)
+    args = TIERS[a.tier] + a.pytest_args
     with tempfile.TemporaryDirectory(prefix="paged-jax-cold-") as cache:
-        cold = suite(cache, a.pytest_args)
-        warm = suite(cache, a.pytest_args)
-    res = dict(cold=cold, warm=warm, cold_minutes=cold["seconds"] / 60,
-               warm_minutes=warm["seconds"] / 60, workers=2, compile_o0=compile_flag())
-    res["json"] = str(common.save_json("test_times", res))
+        cold = suite(cache, args)
+        warm = suite(cache, args)
+    res = dict(tier=a.tier, pytest_args=args, cold=cold, warm=warm,
+               cold_minutes=cold["seconds"] / 60, warm_minutes=warm["seconds"] / 60,
+               workers=2, compile_o0=compile_flag())
+    res["json"] = str(common.save_json("test_times" + ("" if a.tier == "fast" else f"_{a.tier}"),
+                                       res))
     print(f"cold {res['cold_minutes']:.1f} min ({cold['summary']}), warm "
           f"{res['warm_minutes']:.1f} min ({warm['summary']}); -O0 first step "
           f"{res['compile_o0']['o0_s']:.1f} s vs {res['compile_o0']['default_s']:.1f} s")

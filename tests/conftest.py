@@ -40,3 +40,35 @@ def _bounded_jit_mappings():
     LLVM runs out of memory mappings (see compile_cache.relieve_jit_mappings)."""
     yield
     relieve_jit_mappings(fraction=0.3)
+
+
+# Two tiers. `make test` (what a newcomer runs: `-m "not slow"`) checks every layer on tiny
+# models; `make test-slow` (`-m slow`) runs what costs minutes: the real models against
+# transformers, the engine on the Pallas kernels in the interpreter, the notebooks, the
+# experiment scripts, several devices or processes, and the routed server. CI runs both
+# (.ci/run). A feature keeps one check in the fast tier (TP at 2 devices, the CUDA lowering of
+# the engine's programs, notebooks committed clean). Modules may also mark tests themselves.
+SLOW_MODULES = {
+    "test_models_gemma3.py", "test_models_smollm2.py", "test_engine_gemma3.py",
+    "test_experiments.py", "test_shared_prefix_experiment.py", "test_bench_serving.py",
+    "test_distributed.py", "test_serve_routed.py",
+}
+SLOW_TESTS = {
+    "test_engine_pallas.py": {"test_windows_mixed_steps_chunked_prefill_and_forks",
+                              "test_prefix_cache_hits", "test_preemption",
+                              "test_quantized_caches", "test_beam_search"},
+    "test_notebooks.py": {"test_notebook_runs"},
+    "test_tensor_parallel.py": {"test_preemption_under_tensor_parallelism",
+                                "test_data_parallel_replicas_share_the_work",
+                                "test_tokens_match_one_device[4]"},
+    "test_routing.py": {"test_build_labels_features_and_saves"},
+    "test_gpu_bench.py": {"test_engine_section_and_outputs",
+                          "test_runs_with_only_jax_numpy_and_jaxtyping"},
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.path.name
+        if module in SLOW_MODULES or {item.name, item.originalname} & SLOW_TESTS.get(module, set()):
+            item.add_marker(pytest.mark.slow)

@@ -88,7 +88,8 @@ def test_flags_follow_the_requests():
 
 
 def test_cumulative_logprob_only_when_asked():
-    outs = run(engine(**BUCKETS), [("a", "x", GREEDY), ("b", "x", dataclasses.replace(GREEDY, logprobs=0))])
+    logprobs = dataclasses.replace(GREEDY, logprobs=0)
+    outs = run(engine(**BUCKETS), [("a", "x", GREEDY), ("b", "x", logprobs)])
     assert outs["a"].outputs[0].cumulative_logprob is None
     assert outs["b"].outputs[0].cumulative_logprob < 0
 

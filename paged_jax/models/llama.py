@@ -17,9 +17,9 @@ leading L axis (one array per weight name, easy to save, compare and load):
 list of per-layer dicts, with q|k|v fused into one `w_qkv [E, (Q + 2H) * D]` (and `b_qkv`) and
 gate|up into one `w_gate_up [E, 2F]`. The decoder then runs its layers unrolled: under a
 `lax.scan`, XLA:CPU copies each layer's weights out of the stacked arrays before every dot
-(slower at every batch size we tried on SmolLM2-135M; no results file keeps the ratio); fused
-projections mean fewer, wider dots. `forward` accepts either form (the checkpoint form is converted inside the
-traced function, at the cost of those copies on every call).
+(slower at every batch size we tried on SmolLM2-135M; no results file keeps the ratio);
+fused projections mean fewer, wider dots. `forward` accepts either form (the checkpoint form
+is converted inside the traced function, at the cost of those copies on every call).
 
 Weights are stored [in, out] so every projection is `x @ w`. RoPE uses Hugging Face's
 rotate-half pairing (dims i and i + D/2); GGUF loaders un-permute llama.cpp's interleaved q/k.
