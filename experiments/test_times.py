@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -26,7 +27,7 @@ import time
 from experiments import common
 
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup",
-          "-p", "no:cacheprovider"]
+          "-p", "no:cacheprovider", "--durations=30"]
 TIERS = {"fast": ["-m", "not slow"], "slow": ["-m", "slow"], "all": []}
 ONE_PROGRAM = """
 import time, jax
@@ -44,7 +45,11 @@ def suite(cache: str, extra: list[str]) -> dict:
     t0 = time.perf_counter()
     out = subprocess.run(PYTEST + extra, env=env, capture_output=True, text=True)
     tail = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-500:]
-    return dict(seconds=time.perf_counter() - t0, returncode=out.returncode, summary=tail)
+    slowest = [line.split(maxsplit=2) for line in out.stdout.splitlines()
+               if re.match(r"^\d+\.\d+s (call|setup|teardown) ", line)]
+    return dict(seconds=time.perf_counter() - t0, returncode=out.returncode, summary=tail,
+                slowest=[dict(seconds=float(t[:-1]), phase=ph, test=nid)
+                         for t, ph, nid in slowest])
 
 
 def first_step(flags: str) -> float:
