@@ -201,6 +201,8 @@ def limits(parts, rows: dict, work: dict) -> dict:
 
     config, params = parts[0], parts[1]
     bw = measure_bandwidth()
+    runtime = prepare_params(params)
+    steps: dict[int, float] = {}  # one chain per batch size (batch 16 and prefix share it)
     out = {}
     for r, (n, tokens, _) in rows.items():
         if n == 1:
@@ -209,7 +211,9 @@ def limits(parts, rows: dict, work: dict) -> dict:
             out[r] = dict(kind="bandwidth roofline", tok_s=bw / per_token,
                           bytes_per_s=bw, bytes_per_token=per_token)
         else:
-            step = chain_seconds(prepare_params(params), n)
+            if n not in steps:
+                steps[n] = chain_seconds(runtime, n)
+            step = steps[n]
             out[r] = dict(kind="matmul chain", tok_s=n / step, step_ms=1e3 * step)
     return out
 

@@ -89,10 +89,14 @@ def _module() -> str:
 
 
 def save_json(name: str, payload: dict, extra_versions: dict[str, str] | None = None) -> Path:
-    """Writes results/<name>.json with provenance attached; returns the path."""
+    """Writes results/<name>.json with provenance attached (and the experiment module that
+    wrote it, for experiments/provenance.py); returns the path."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"provenance": provenance(extra_versions), **payload},
+    caller = sys._getframe(1).f_globals  # its __spec__ names it under `python -m` too
+    module = caller["__spec__"].name if caller.get("__spec__") else caller["__name__"]
+    prov = {**provenance(extra_versions), "experiment": module}
+    path.write_text(json.dumps({"provenance": prov, **payload},
                                indent=1, default=_plain) + "\n")
     return path
 

@@ -47,10 +47,11 @@ class LlamaCpp:
         params.kv_unified = False  # a KV stream per sequence: attention reads its own cells
         self.ctx = lc.llama_init_from_model(self.model, params)
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
-        self.n_batch, self.max_seqs = 512, max_seqs
+        self.n_batch, self.max_seqs = params.n_batch, max_seqs
         self.batch = lc.llama_batch_init(self.n_batch, 0, 1)
-        self.settings = dict(n_ctx=params.n_ctx, n_seq_max=max_seqs, n_batch=512,
-                             threads=threads, kv_unified=False, weights="the GGUF's own types")
+        self.settings = dict(n_ctx=params.n_ctx, n_seq_max=params.n_seq_max,
+                             n_batch=params.n_batch, threads=params.n_threads,
+                             kv_unified=bool(params.kv_unified), weights="the GGUF's own types")
 
     def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
         """One llama_decode of (token, position, sequence, wants logits) items."""

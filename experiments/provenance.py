@@ -47,7 +47,11 @@ def outside(readme: str) -> str:
 
 
 def writer(path: str) -> str:
-    """The experiment module behind a results file."""
+    """The experiment module behind a results file: as its provenance names it, else (files
+    written before it did) by the file's name."""
+    prov = json.loads((ROOT / path).read_text()).get("provenance", {})
+    if "experiment" in prov:
+        return prov["experiment"].removeprefix("experiments.")
     stem = Path(path).stem
     if stem in WRITERS:
         return WRITERS[stem]
