@@ -4,15 +4,15 @@
 
 Requests with ShareGPT-like lengths (paged_jax/study/workloads.py, scaled to a CPU) arrive as a
 Poisson process (`--cv` != 1: gamma gaps) at each rate and stream their tokens back from
-/v1/completions. Per rate it prints and saves request throughput, output tok/s, and TTFT /
-TPOT / ITL (mean, p50, p99), and counts every request's fate: done, refused with 503, failed,
-so that none can vanish. Without --url it starts `python -m paged_jax.serve` on a free port
-(prefix caching off: the workload's prompts share their text) and stops it afterwards.
-`--offline` also runs the same requests through `LLM.generate` in this process, after the
-server has stopped, and prints the server's throughput against it (the HTTP + async-loop
-overhead). `--vllm-python PY` runs the same client against vLLM's OpenAI server started with
-that interpreter (`make peers` does, with its .venv-vllm). Writes results/bench_serving.json
-and .png.
+/v1/completions. Per rate it prints and saves request throughput, output tok/s, TTFT / TPOT /
+ITL (mean, p50, p99) and tokens per streamed chunk, and counts every request's fate: done,
+refused with 503, failed, so that none can vanish. Without --url it starts `python -m
+paged_jax.serve` on a free port (prefix caching off: the workload's prompts share their text)
+and stops it afterwards. `--offline` also runs the same requests through `LLM.generate` in this
+process, after the server has stopped, and prints the server's throughput against it (the HTTP
++ async-loop overhead). `--vllm-python PY` runs the same client against vLLM's OpenAI server
+started with that interpreter (`make peers` does, with its .venv-vllm). Writes
+results/bench_serving.json and .png.
 """
 
 from __future__ import annotations
@@ -92,6 +92,8 @@ def summarize(rate: float, res: list[dict], wall: float) -> dict:
                 f"{name}_p50_ms": 1e3 * float(np.percentile(x, 50)),
                 f"{name}_p99_ms": 1e3 * float(np.percentile(x, 99))}
 
+    # Tokens per streamed chunk, per request (1.0: every token reached the client on its own).
+    chunk = np.array([r["tokens"] / len(r["times"]) for r in done])
     out_tokens = sum(r["tokens"] for r in done)
     refused = sum(r["status"] == 503 for r in res)
     failed = sum(r["status"] not in (200, 503) for r in res)
@@ -99,7 +101,9 @@ def summarize(rate: float, res: list[dict], wall: float) -> dict:
                 lost=len(res) - len(done) - refused - failed,
                 wall_s=wall, request_throughput=len(done) / wall,
                 output_tok_s=out_tokens / wall, **stats(ttft, "ttft"), **stats(tpot, "tpot"),
-                **stats(itl, "itl"))
+                **stats(itl, "itl"),
+                chunk_tokens_mean=float(chunk.mean()) if len(chunk) else None,
+                chunk_tokens_max=float(chunk.max()) if len(chunk) else None)
 
 
 def start_server(model: str | None, flags: list[str]) -> tuple[subprocess.Popen, str]:
@@ -259,7 +263,7 @@ def main(argv: list[str] | None = None, name: str = "bench_serving") -> dict:
 
 COLUMNS = ["server", "rate", "sent", "done", "refused_503", "failed", "lost", "request_throughput",
            "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
-           "itl_p50_ms"]
+           "itl_p50_ms", "itl_p99_ms", "chunk_tokens_mean"]
 
 if __name__ == "__main__":
     main()

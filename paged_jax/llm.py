@@ -129,6 +129,8 @@ class LLM:
         the fewest outstanding tokens (engine/balance.py's Balancer) and steps them all.
       static_shapes: pad every device call to its largest shape (one compiled program per
         kind of call instead of one per bucket): compiles less, computes more on small steps.
+      async_scheduling: plan and send each step while the device runs the one before (vLLM's
+        name); every step's tokens are delivered as read (no decode windows). Same tokens.
       model_parts: (config, params, tokenizer) to use instead of loading `model`.
     """
 
@@ -141,7 +143,8 @@ class LLM:
         enable_prefix_caching: bool = True, tokenizer: str | None = None,
         swap_space: float = 4, gpu_memory_utilization: float | None = None,
         kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
-        data_parallel_size: int = 1, static_shapes: bool = False, **unsupported,
+        data_parallel_size: int = 1, static_shapes: bool = False,
+        async_scheduling: bool = False, **unsupported,
     ):
         if unsupported:
             raise TypeError(f"LLM() got unsupported arguments: {sorted(unsupported)}")
@@ -176,7 +179,7 @@ class LLM:
             backend=attention_backend, max_logprobs=max_logprobs, seed=seed,
             enable_prefix_caching=enable_prefix_caching, swap_space=int(swap_space * (1 << 30)),
             kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size,
-            static_shapes=static_shapes)
+            static_shapes=static_shapes, async_scheduling=async_scheduling)
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         self.replicas = [Engine(config, params, tok, dataclasses.replace(

@@ -18,12 +18,14 @@ PREFIXES = ["", "shared system prompt: ", "another, longer shared system prompt.
 
 class EngineMachine(RuleBasedStateMachine):
     mode = "recompute"
+    async_scheduling = False
 
     def __init__(self):
         super().__init__()
         # Static shapes: the machine studies the engine's states, not its shape buckets
         # (tests/test_batch.py and test_engine.py run those); a cold run compiles 4x less.
-        self.eng = engine(num_kv_blocks=40, decode_window=4, preemption_mode=self.mode)
+        self.eng = engine(num_kv_blocks=40, decode_window=4, preemption_mode=self.mode,
+                          async_scheduling=self.async_scheduling)
         self.want: dict[str, int] = {}  # live request -> tokens it must produce (no stop)
         self.stops: set[str] = set()  # requests that may end early on a stop string
         self.ids = 0
@@ -48,6 +50,14 @@ class EngineMachine(RuleBasedStateMachine):
             if out.finished:
                 self._finished(out)
 
+    @precondition(lambda self: self.async_scheduling)
+    @rule()
+    def drain(self):
+        """Async scheduling: read the step in flight (the mirror is exact only then)."""
+        for out in self.eng.drain():
+            if out.finished:
+                self._finished(out)
+
     @precondition(lambda self: self.want)
     @rule(data=st.data())
     def abort(self, data):
@@ -65,7 +75,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def host_mirror_equals_device(self):
-        self.eng.kv.check()
+        if self.eng._in_flight is None:
+            self.eng.kv.check()
 
     def teardown(self):
         while self.eng.has_unfinished():
@@ -79,9 +90,15 @@ class SwapMachine(EngineMachine):
     mode = "swap"
 
 
+class AsyncMachine(EngineMachine):
+    async_scheduling = True
+
+
 SETTINGS = settings(max_examples=15, stateful_step_count=25, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 EngineMachine.TestCase.settings = SETTINGS
 SwapMachine.TestCase.settings = settings(SETTINGS, max_examples=6)
+AsyncMachine.TestCase.settings = SETTINGS
 TestEngineMachine = EngineMachine.TestCase
+TestAsyncMachine = AsyncMachine.TestCase
 TestSwapMachine = SwapMachine.TestCase

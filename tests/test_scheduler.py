@@ -95,7 +95,7 @@ def test_the_newest_request_is_preempted_and_requeued_first():
     assert b.seqs[0].num_computed == 0 and b.seqs[0].status is Status.WAITING
     assert b.seqs[0].slot >= 0, "a preempted request keeps its slot"
     assert sch.kv.free_total() == 0, "not freed until the device says so"
-    sch.kv.update_from_output([], DeviceSaid(num_free=2))
+    sch.kv.update_from_output([], DeviceSaid(num_free=2), plan.sent)
     assert sch.kv.free_total() == 2  # b's two blocks came back
     assert plan_of(sch.schedule()) == [("a", 1)] and sch.num_preempted == 1
 

@@ -181,3 +181,43 @@ def test_a_full_server_answers_503_and_loses_nothing():
         assert len(ok) + len(full) == 12, [r for r in results if isinstance(r, Exception)]
         assert 4 <= len(ok) < 12 and all(len(r.choices[0].text) > 0 for r in ok)
         assert "full" in json.dumps(full[0].body)
+
+
+def test_async_scheduling_streams_one_token_per_chunk_under_load():
+    """8 concurrent streams on a server with async scheduling: every chunk carries exactly one
+    token (counted by its logprobs), the texts are offline generate's, and once a client hangs
+    up on an otherwise idle server the gauges say so at the next scrape (no step follows)."""
+    prompts = [f"stream {i}: " + "lorem " * (i % 3) for i in range(8)]
+    want = offline(prompts, 16)
+
+    async def stream(c: httpx.AsyncClient, url: str, prompt: str) -> tuple[str, list[int]]:
+        body = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0.0,
+                    ignore_eos=True, stream=True, logprobs=1)
+        text, sizes = "", []
+        async with c.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    text += choice["text"]
+                    sizes.append(len(choice["logprobs"]["tokens"]))
+        return text, sizes
+
+    async def all_of(url: str):
+        async with httpx.AsyncClient() as c:
+            return await asyncio.gather(*(stream(c, url, p) for p in prompts))
+
+    with serve(async_scheduling=True) as srv:
+        got = asyncio.run(all_of(srv.url))
+        assert [t for t, _ in got] == want
+        assert all(sizes == [1] * 16 for _, sizes in got), [s for _, s in got]
+        body = dict(model=MODEL, prompt="a long one", max_tokens=200, temperature=0.0,
+                    ignore_eos=True, stream=True)
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            [next(lines) for _ in range(3)]
+        deadline, running = time.time() + 30, 1.0
+        while running and time.time() < deadline:
+            time.sleep(0.2)
+            running = metric(httpx.get(srv.url + "/metrics", timeout=10).text,
+                             "vllm:num_requests_running")
+        assert running == 0

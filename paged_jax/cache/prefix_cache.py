@@ -145,15 +145,18 @@ class PrefixCache:
         return new
 
     # ---- freeing and eviction ------------------------------------------------------------
-    def on_release(self, refcount: np.ndarray, order: list[int]) -> None:
+    def on_release(self, refcount: np.ndarray, order: list[int],
+                   taken: set[int] = frozenset()) -> None:
         """Queues cached blocks that reached refcount 0 (most recently used last).
 
         Args:
           refcount: [N] the pool's refcounts after the release.
           order: blocks just released, leaf first; other newly free cached blocks follow.
+          taken: blocks in use again since those refcounts (hits of later calls).
         """
         for b in order + list(self.hash_of):
-            if refcount[b] == 0 and b in self.hash_of and b not in self.evictable:
+            if (refcount[b] == 0 and b in self.hash_of and b not in self.evictable
+                    and b not in taken):
                 self.evictable[b] = None
 
     def evict(self, n: int) -> list[int]:

@@ -165,7 +165,7 @@ def build_step(
     """
     chunks = sorted(plan.chunks, key=lambda c: c[1] == 1)
     forks = [(seq, seq.owner.seqs[1:]) for seq, n in chunks
-             if seq.num_computed + n == len(seq.tokens) and seq.owner.params.n > 1
+             if seq.num_computed + n == seq.length and seq.owner.params.n > 1
              and not seq.owner.forked and seq.index == 0]
     rows = [seq for seq, _ in chunks] + [c for _, cs in forks for c in cs]
     r, t = _step_buckets(chunks, len(rows), ec)
@@ -174,8 +174,10 @@ def build_step(
     o = 0
     for i, (seq, n) in enumerate(chunks):
         a = seq.num_computed
-        tok[o:o + n], pos[o:o + n], rows_of[o:o + n] = seq.tokens[a:a + n], np.arange(a, a + n), i
-        row_slots[i], sample[i] = seq.slot, a + n == len(seq.tokens)
+        known = seq.tokens[a:a + n]  # the rest: sampled in the step before, still on the device
+        tok[o:o + len(known)], tok[o + len(known):o + n] = known, -1
+        pos[o:o + n], rows_of[o:o + n] = np.arange(a, a + n), i
+        row_slots[i], sample[i] = seq.slot, a + n == seq.length
         o += n
         qs[i + 1] = o
     qs[len(chunks) + 1:] = o

@@ -37,6 +37,9 @@ class EngineConfig:
         width, vocabulary; paged_jax/models/parallel.py); 1 = one device.
       first_device: the engine runs on devices first_device .. + tensor_parallel_size - 1
         (data-parallel replicas take consecutive ranges).
+      async_scheduling: plan and send step n+1 while the device runs step n (vLLM's
+        name); the sampled tokens stay on the device and the host reads each step one step
+        late. Every step is delivered as it is read (no decode windows). Same tokens.
       static_shapes: pad every call to the largest shape, with every sampler feature on:
         one program per kind of call (step, window, ops) instead of one per bucket. Fewer
         compiles (tests; an accelerator whose programs are few and fixed), more padded work
@@ -61,6 +64,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     first_device: int = 0
     static_shapes: bool = False
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         kv_quant.storage_dtype(self.kv_cache_dtype, "float32")  # a clear error if unknown

@@ -1,10 +1,23 @@
-"""The engine loop: one step = schedule -> run -> update.
+"""The engine loop: one step = schedule -> send -> read -> update.
 
     add_request  -> engine/input.py (parse, check)  -> Scheduler.waiting
     step():  plan = scheduler.schedule()             host: who runs, admissions, queued ops
-             out  = runner.run(plan)                 one jitted call, one device -> host read
+             p = runner.dispatch(plan)               one jitted call, queued on the device
+             scheduler.sent(plan)                    its tokens count as computed
+             out = runner.collect(p)                 its one device -> host read
              scheduler.update_from_output(plan, out) the one place results land
              -> a RequestOutput per request with news
+
+Async scheduling (EngineConfig.async_scheduling, vLLM's name) reads each step one step late:
+
+    step():  plan n+1 = schedule()      while the device runs step n (its sampled tokens are
+             dispatch(plan n+1)         placeholders; step n+1 takes them from the device)
+             collect(step n), update    while the device runs step n+1
+             -> the outputs of step n
+
+A sequence that step n finishes (stop token, stop string, abort) may compute one more token in
+step n+1, which is discarded. What needs exact counts waits for the step in flight first: a
+plan that would preempt, an n > 1 request forking, beam search, an engine going idle.
 
 Who owns what: the scheduler the queues, sequence states and a step's results; the KV
 manager every host fact of the KV cache (slots, free counts, prefix cache, queued ops); the
@@ -24,7 +37,7 @@ from paged_jax.engine.config import EngineConfig
 from paged_jax.engine.kv_manager import KVManager
 from paged_jax.engine.plan import Plan
 from paged_jax.engine.policy import Policy
-from paged_jax.engine.runner import Runner, StepOutput
+from paged_jax.engine.runner import Pending, Runner, StepOutput
 from paged_jax.engine.scheduler import Scheduler, SchedulerConfig
 from paged_jax.engine.sequence import Request, Sequence
 from paged_jax.models import ModelConfig, Params
@@ -55,7 +68,8 @@ class StepStats:
     waiting: int
     blocks_used: int
     preempted: int
-    device: float = 0.0  # seconds inside the jitted call + the one device -> host read
+    device: float = 0.0  # seconds from sending the call to its read
+    wait: float = 0.0  # seconds the host was blocked reading it (the device's share)
 
 
 class Engine:
@@ -83,9 +97,11 @@ class Engine:
                             swap=ec.preemption_mode == "swap", swap_space=ec.swap_space)
         self.scheduler = Scheduler(
             SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.block_size,
-                            ec.admission, ec.max_skips, ec.decode_window, ec.seed),
+                            ec.admission, ec.max_skips, ec.decode_window, ec.seed,
+                            async_scheduling=ec.async_scheduling),
             self.kv, policy, tokenizer)
         self.requests: dict[str, Request] = {}
+        self._in_flight: tuple[Plan, Pending] | None = None  # async: sent, not read yet
         self.stats: collections.deque[StepStats] = collections.deque(maxlen=RECENT_STEPS)
         self.recorder: list[StepStats] | None = None
 
@@ -130,25 +146,77 @@ class Engine:
             self.settle()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduled step (or decode window); returns outputs of touched requests."""
+        """Runs one scheduled step (or decode window); returns outputs of touched requests
+        (with async scheduling: sends the next step, then reads the one before)."""
         t0, preempted = time.perf_counter(), self.scheduler.num_preempted
-        plan = self.scheduler.schedule()
-        out = None if plan.empty else self.runner.run(plan)
-        touched = self.scheduler.update_from_output(plan, out)
+        if self.config.async_scheduling:
+            plan, out, touched = self._step_ahead()
+        else:
+            plan = self.scheduler.schedule()
+            out, touched = self._read(plan, self._send(plan))
         self.settle()
         self._record(t0, plan, out, preempted)
-        return [self._output(r) for r in touched]
+        return [self._output(r) for r in touched if self.requests.get(r.request_id) is r]
+
+    def _send(self, plan: Plan) -> Pending | None:
+        if plan.empty:
+            self.kv.forget(plan.sent)
+            return None
+        pending = self.runner.dispatch(plan)
+        self.scheduler.sent(plan, [c for _, cs in pending.call.forks for c in cs])
+        return pending
+
+    def _read(self, plan: Plan, pending: Pending | None) -> tuple[StepOutput | None, list]:
+        out = None if pending is None else self.runner.collect(pending)
+        return out, self.scheduler.update_from_output(plan, out)
+
+    def _step_ahead(self) -> tuple[Plan, StepOutput | None, list[Request]]:
+        """Async scheduling: plans and sends a step, then reads the one in flight (the
+        outputs returned are that one's)."""
+        touched = []
+        plan = self.scheduler.schedule(can_preempt=self._in_flight is None)
+        if plan is None:  # it would preempt: read the step in flight, plan on exact counts
+            touched += self._drain()
+            plan = self.scheduler.schedule()
+        pending = self._send(plan)
+        before, self._in_flight = self._in_flight, (plan, pending) if pending else None
+        out = None
+        if before is not None:
+            plan, (out, news) = before[0], self._read(*before)
+            if not out.ok and self._in_flight is not None:
+                raise RuntimeError("a step was refused while the next was in flight: the "
+                                   "async plan counted blocks wrongly (a bug)")
+            touched += news
+        if self._in_flight is not None and (pending.call.forks or not self.scheduler.has_work()):
+            touched += self._drain()  # children exist only once read; idle: nothing to hide
+        return plan, out, touched
+
+    def drain(self) -> list[RequestOutput]:
+        """Reads the step in flight, if any (async scheduling), and settles: afterwards the
+        host's counts are exact (`KVManager.check` may run). Returns its outputs."""
+        touched = self._drain()
+        self.settle()
+        return [self._output(r) for r in touched if self.requests.get(r.request_id) is r]
+
+    def _drain(self) -> list[Request]:
+        """Reads the step in flight, if any (async scheduling)."""
+        if self._in_flight is None:
+            return []
+        before, self._in_flight = self._in_flight, None
+        return self._read(*before)[1]
 
     def settle(self) -> None:
         """An idle engine applies the allocator ops it still owes (an ops-only call), so its
         pool is exact between bursts; a busy one sends them with its next step."""
+        if self._in_flight is not None:
+            return  # the next step() reads it (and settles then)
         if not self.scheduler.has_work() and self.kv.has_ops():
-            out = self.runner.run(Plan(ops=self.kv.take_ops()))
-            self.kv.update_from_output([], out)
+            ops, sent = self.kv.take_ops()
+            self.kv.update_from_output([], self.runner.run(Plan(ops=ops, sent=sent)), sent)
         if self.check:
             self.kv.check()
 
@@ -167,6 +235,8 @@ class Engine:
         """
         if any(s.num_pending == 0 for s in seqs):
             raise ValueError("every sequence passed to compute needs a pending token")
+        if self._in_flight is not None:
+            raise RuntimeError("compute runs on an engine with no step in flight")
         if not self.kv.can_allocate(seqs):
             raise RuntimeError(f"{len(seqs)} sequences need free slots; raise max_num_seqs")
         self.kv.allocate(seqs)
@@ -191,12 +261,16 @@ class Engine:
                 chunks.append((s, n))
                 budget -= n
         self.kv.room_for(chunks, decode_only=False)
-        plan = Plan(chunks=chunks, admits=admits, ops=self.kv.take_ops(), flags=flags,
-                    owned=False)
+        ops, sent = self.kv.take_ops()
+        plan = Plan(chunks=chunks, admits=admits, ops=ops, sent=sent, flags=flags, owned=False)
         out = self.runner.run(plan)
+        starts = {id(s): s.num_computed for s, _ in chunks}
         counts = {id(s): n for s, n in chunks}
-        self.kv.update_from_output([(s, counts.get(id(s), 0)) for s in out.rows] if out.ok
-                                   else [], out, owned=False)
+        if out.ok:
+            self.kv.advance(chunks)
+        self.kv.update_from_output(
+            [(s, starts.get(id(s), 0), counts.get(id(s), 0)) for s in out.rows] if out.ok
+            else [], out, sent, owned=False)
         if not out.ok:
             raise RuntimeError("the KV cache cannot hold these sequences")
         return out
@@ -235,7 +309,8 @@ class Engine:
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             blocks_used=self.kv.blocks_used(),
             preempted=self.scheduler.num_preempted - preempted,
-            device=out.seconds if out is not None else 0.0)
+            device=out.seconds if out is not None else 0.0,
+            wait=out.wait if out is not None else 0.0)
         self.stats.append(st)
         if self.recorder is not None:
             self.recorder.append(st)

@@ -12,22 +12,22 @@ them is written here and nowhere else:
     on a Sequence  slot, num_computed, maybe_shared_last, swapped, prefix_hit, block_hashes
     swapped_bytes  host memory held by swapped-out K/V
 
-No device -> host read happens for bookkeeping. The device settles what it can decide
-itself in the call that decides it (step.settle: a sequence that stops on a stop token or
-at max_tokens is released; newly full blocks are marked cached). What only the host knows
-(stop strings, aborts, preemptions, evictions, beam-search forks) travels in the next call
-(cache/ops.py). Each call's one output brings back the free count, the blocks that became
-full and (with prefix caching) the refcounts.
+No device -> host read happens for bookkeeping. The device settles what it decides itself
+(step.settle: stopped sequences released, full blocks marked cached); what only the host knows
+(stop strings, aborts, preemptions, evictions, forks) rides in the next call (cache/ops.py).
+A call's one output brings back the free count, newly full blocks and refcounts.
 
-    plan time   free_total() = confirmed free stack + evictable + queued evictions
+    plan time   free_total() = confirmed free stack + evictable + queued evictions, less
+                  what calls sent and not read yet may take (async scheduling)
                 pending_free() = what queued releases may give back (an upper bound: a
                   block shared with a live sequence stays held); counted once confirmed
-                make_room / bring_live / take_ops
-    after       update_from_output(advanced, out): counts, flags, registrations
+                make_room / bring_live / take_ops -> the ops and the call's Sent record
+    sent        advance(chunks): the computed counts, as soon as a step is sent
+    after       update_from_output(rows, out, sent): flags, registrations, the free count
     freeing     free(seqs) (finish, abort; slots returned) and preempt(seqs) (slots kept)
 
-`check(device)` asserts this mirror equals the device pytrees (tests call it every step).
-Terms: a *slot* is a sequence's row of the page table; a *block* is a page of the pool.
+`check()` asserts this mirror equals the device (engine/mirror.py). A *slot* is a sequence's
+row of the page table; a *block* is a page of the pool.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from paged_jax.cache.config import CacheConfig
 from paged_jax.cache.invariants import InvariantError, check_invariants
 from paged_jax.cache.ops import no_ops
 from paged_jax.cache.prefix_cache import Hit, PrefixCache
-from paged_jax.engine.plan import Admit
+from paged_jax.engine.mirror import Mirror, mirror_errors
+from paged_jax.engine.plan import Admit, Sent
 from paged_jax.engine.sequence import Request, Sequence
 from paged_jax.sizes import cdiv
 
@@ -81,7 +82,9 @@ class KVManager:
         self.slot_live = np.zeros(cc.max_seqs, bool)
         self.prefix = PrefixCache(cc.block_size) if prefix_caching else None
         self._reset_ops()
-        self._in_flight: list[tuple[Sequence, int]] = []  # releases sent, not yet confirmed
+        self._outstanding: list[Sent] = []  # calls sent whose output is not read yet
+        self._need = 0  # blocks the plan being made may take (room_for)
+        self._acquired: set[int] = set()  # cached blocks the plan being made's hits take
         self._device_released: set[int] = set()  # slots the last call released itself
         self._copied = False  # a prefix hit's last block is copied in the next call
 
@@ -97,7 +100,12 @@ class KVManager:
         """Blocks a plan may use now: the confirmed free stack, evictable cached-free blocks,
         and evictions queued for the next call."""
         evictable = len(self.prefix.evictable) if self.prefix else 0
-        return self.num_free + evictable + len(self._evict)
+        return self._stack() + evictable + len(self._evict)
+
+    def _stack(self) -> int:
+        """The free stack once the calls sent and not read yet have run (at least): the
+        last count read, plus their evictions, less what their plans may take."""
+        return self.num_free + sum(s.evicted - s.need for s in self._outstanding)
 
     def pending_free(self) -> int:
         """Blocks queued releases may give back once the device confirms them (at most)."""
@@ -170,6 +178,7 @@ class KVManager:
             self.prefix.count(len(req.seqs[0].tokens), req.num_cached_tokens)
         if hit:
             self.prefix.acquire(hit)
+            self._acquired.update(hit.blocks)
 
     @staticmethod
     def fresh(req: Request) -> bool:
@@ -181,7 +190,7 @@ class KVManager:
     def make_room(self, blocks: int) -> None:
         """Queues evictions of cached-free blocks (least recently used first) until the
         device free stack will hold `blocks`, or the prefix cache has nothing left."""
-        have = self.num_free + len(self._evict)
+        have = self._stack() + len(self._evict)
         if self.prefix is None or blocks <= have:
             return
         self._evict += self.prefix.evict(blocks - have)
@@ -190,7 +199,8 @@ class KVManager:
         """make_room for a plan. A decode window may grow every sequence once more inside
         the loop, so it gets one block of headroom per sequence."""
         need = sum(self.blocks_needed(s, n) for s, n in chunks)
-        self.make_room(max(need, len(chunks)) if decode_only else need)
+        self._need = max(need, len(chunks)) if decode_only else need
+        self.make_room(self._need)
 
     def settled(self, req: Request) -> bool:
         """Whether none of the request's slots still has a release queued (a request
@@ -236,52 +246,86 @@ class KVManager:
             c.num_computed, c.maybe_shared_last = parent.num_computed, shared
             self.slot_live[c.slot] = True
 
-    def take_ops(self) -> dict[str, np.ndarray] | None:
-        """The queued ops as host arrays for the next call (None: nothing queued)."""
+    def take_ops(self) -> tuple[dict[str, np.ndarray] | None, Sent]:
+        """The queued ops as host arrays for the next call (None: nothing queued), and the
+        call's Sent record (its output's update_from_output takes it back; `forget` it if
+        the call is not made)."""
+        sent = Sent(list(self._release.values()), self._need, len(self._evict), self._acquired)
+        self._need, self._acquired = 0, set()
+        self._outstanding.append(sent)
         if not self.has_ops():
-            return None
+            return None, sent
         cc = self.config
         ops = no_ops(cc.num_blocks, cc.max_seqs)
         ops["release"][list(self._release)] = True
         ops["evict"][self._evict + self._unmark] = True
         for i, (src, dst) in enumerate(self._forks):
             ops["fork_src"][i], ops["fork_dst"][i] = src, dst
-        self._in_flight = list(self._release.values())
         self._reset_ops()
-        return ops
+        return ops, sent
 
-    # ---- after a call --------------------------------------------------------------------
-    def update_from_output(self, advanced: list[tuple[Sequence, int]], out,
-                           owned: bool = True) -> None:
-        """Takes a call's output: the free count; `advanced` (sequence, tokens computed, in
-        row order: out.full_blocks[i] is row i's) counted, their last blocks now private; for
-        rows the device settled (`owned`), the blocks it marked cached are registered in the
-        prefix cache, or queued for eviction if not kept (a duplicate, or past a stop
-        string), and the rows that stopped are noted as released (`free` then only does the
-        host's part); cached blocks that reached refcount 0 join the LRU queue."""
-        self.num_free = int(out.num_free)
-        gone, self._in_flight = self._in_flight, []
-        self._device_released = set()
-        for i, (seq, n) in enumerate(advanced):
-            before = seq.num_computed
+    def forget(self, sent: Sent) -> None:
+        """A plan that ran no call (nothing to do): its record goes."""
+        self._outstanding.remove(sent)
+
+    def in_flight(self) -> bool:
+        """Whether a sent call's output is still unread."""
+        return bool(self._outstanding)
+
+    def advance(self, chunks: list[tuple[Sequence, int]]) -> None:
+        """Counts a sent step's tokens as computed (its output may come a step later); a
+        sequence that writes owns its last block after the step."""
+        for seq, n in chunks:
             seq.num_computed += n
             if n:
-                seq.maybe_shared_last = False  # written: its last block is its own
-            if owned and self.prefix is not None and out.full_blocks.shape[1]:
-                self._register(seq, before, out.full_blocks[i])
+                seq.maybe_shared_last = False
+
+    # ---- after a call --------------------------------------------------------------------
+    def update_from_output(self, rows: list[tuple[Sequence, int, int]], out, sent: Sent,
+                           owned: bool = True, dead: dict[int, int] | None = None) -> None:
+        """Takes the output of the call `sent` records: the free count; per row (sequence,
+        start, tokens computed; `dead`: row -> slot, see `_undo_dead`) that the device settled
+        (`owned`), blocks it marked cached registered (or unmarked if not kept) and a stop
+        noted as released (`free` then does only the host's part); cached blocks that reached
+        refcount 0 join the LRU queue."""
+        self.num_free = int(out.num_free)
+        self._outstanding.remove(sent)
+        gone = list(sent.releases)
+        self._device_released = set()
+        for i, (seq, start, n) in enumerate(rows):
+            full = out.full_blocks[i] if owned and self.prefix is not None else None
+            if dead and i in dead:
+                self._undo_dead(seq, start + n, dead[i], full, owned and out.finished[i], gone)
+                continue
+            if full is not None and full.shape[0]:
+                self._register(seq, start, start + n, full)
             if owned and out.finished[i] and seq.slot >= 0:
                 self._device_released.add(seq.slot)
-                gone.append((seq, seq.num_computed))
+                gone.append((seq, start + n))
         if self.prefix is not None and (gone or self._copied):
-            self.prefix.on_release(out.refcount, self._cached_blocks(gone))
+            # Blocks later calls' hits took are in use, whatever these refcounts say.
+            taken = set().union(self._acquired, *(s.acquired for s in self._outstanding))
+            self.prefix.on_release(out.refcount, self._cached_blocks(gone), taken)
             self._copied = False
 
-    def _register(self, seq: Sequence, before: int, full: np.ndarray) -> None:
-        """Registers the blocks the device marked cached for `seq` (`full`: ids of its newly
-        full blocks, 0-padded); those it does not keep are queued for eviction (unmarked)."""
+    def _undo_dead(self, seq: Sequence, held: int, slot: int, full: np.ndarray | None,
+                   released: bool, gone: list) -> None:
+        """A row of a sequence the host finished while its call ran: its cached marks are
+        dropped; if the device released its slot (it stopped), so is the queued release."""
+        if full is not None:
+            self._unmark += [int(b) for b in full if b]
+        if released:
+            gone.append((seq, held))
+            if slot in self._release and self._release[slot][0] is seq:
+                del self._release[slot]
+
+    def _register(self, seq: Sequence, before: int, after: int, full: np.ndarray) -> None:
+        """Registers the blocks the device marked cached for `seq` as it went from `before`
+        to `after` computed tokens (`full`: ids of its newly full blocks, 0-padded); those it
+        does not keep are queued for eviction (unmarked)."""
         k = self.config.block_size
         ids = [int(b) for b in full if b]
-        keep = ids[: seq.num_computed // k - before // k]  # not past what the host kept
+        keep = ids[: after // k - before // k]  # not past what the host kept
         new = self.prefix.register(seq, before // k, keep) if keep else []
         self._unmark += [b for b in ids if b not in set(new)]
 
@@ -305,13 +349,9 @@ class KVManager:
                 s.slot = -1
 
     def preempt(self, seqs: list[Sequence]) -> int:
-        """Preempts running sequences: their blocks are released in the next call (copied to
-        the host first in swap mode, while swap space lasts; otherwise they will be
-        recomputed). They keep their slots, so their sampling state survives.
-
-        Returns:
-          the blocks this may give back once confirmed (an upper bound; see pending_free).
-        """
+        """Preempts running sequences: their blocks are released in the next call (swapped to
+        the host first while swap space lasts, else recomputed later); they keep their slots
+        (and so their sampling state). Returns what this may give back (see pending_free)."""
         hi = self._release_hi
         for s in seqs:
             size = cdiv(s.num_computed, self.config.block_size) * self.block_bytes
@@ -348,32 +388,12 @@ class KVManager:
     def check(self) -> None:
         """Asserts this host mirror equals the device: free count, live slots, lengths,
         cached and evictable blocks, and the allocator invariants (reads the device; tests
-        call it after every step)."""
+        call it after every step, with no call in flight)."""
+        if self._outstanding:
+            raise InvariantError("a call's output is unread: the mirror is not exact yet")
         pool, table = self.device.snapshot()
         check_invariants(pool, table)
-        num_free, dev_live, lens, cached, ref = (np.asarray(x) for x in (
-            pool.num_free, table.live, table.seq_lens, pool.cached, pool.refcount))
-        errors = []
-        if int(num_free) != self.num_free:
-            errors.append(f"free count: host {self.num_free}, device {int(num_free)}")
-        live = self.slot_live.copy()
-        live[list(self._release)] = True  # released in the next call
-        live[[dst for _, dst in self._forks]] = False  # forked in the next call
-        if not np.array_equal(live, dev_live):
-            errors.append(f"live slots: host {np.nonzero(live)[0]}, "
-                          f"device {np.nonzero(dev_live)[0]}")
-        for slot, seq in self.owners.items():
-            if slot not in self._release and dev_live[slot] and lens[slot] != seq.num_computed:
-                errors.append(f"slot {slot}: host length {seq.num_computed}, "
-                              f"device {lens[slot]}")
-        if self.prefix is not None:
-            host = set(self.prefix.hash_of) | set(self._evict) | set(self._unmark)
-            if set(np.nonzero(cached)[0].tolist()) != host:
-                errors.append(f"cached blocks: host {sorted(host)}, "
-                              f"device {np.nonzero(cached)[0].tolist()}")
-            idle = set(np.nonzero(cached & (ref == 0))[0].tolist()) - set(self._unmark)
-            if idle != set(self.prefix.evictable) | set(self._evict):
-                errors.append(f"evictable: host {sorted(self.prefix.evictable)} + queued "
-                              f"{self._evict}, device {sorted(idle)}")
-        if errors:
+        mirror = Mirror(self.num_free, self.slot_live, self.owners, self.prefix, self._release,
+                        self._forks, self._evict, self._unmark)
+        if errors := mirror_errors(mirror, pool, table):
             raise InvariantError("host mirror != device: " + "; ".join(errors))

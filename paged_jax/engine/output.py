@@ -42,20 +42,22 @@ def logprob_entry(tok: int, lp: float, top_ids: np.ndarray, top_lps: np.ndarray,
     return entry
 
 
-def prompt_logprobs(rows: list[Sequence], chunks: list[tuple[Sequence, int]], prompt,
-                    tok: Tokenizer) -> None:
+def prompt_logprobs(rows: list[Sequence], chunks: list[tuple[Sequence, int]],
+                    starts: dict[int, int], prompt, tok: Tokenizer) -> None:
     """Fills the prompt_logprobs of the requests that asked, from a step's per-token results.
 
     Tokens lie in row order (build_step's layout); the token at position p gives the entry
     of prompt token p + 1. Entries already filled (a recompute after preemption) are kept.
-    `prompt` is the step's host PromptLogprobs.
+    `starts`: each row's computed count before the step; `prompt` the step's host
+    PromptLogprobs.
     """
     sizes, o = {id(s): n for s, n in chunks}, 0
     for seq in rows:
         n, req = sizes.get(id(seq), 0), seq.owner
         if n and req.prompt_logprobs is not None:
             text = (lambda i: tok.decode([i], False)) if req.params.detokenize else None
-            for j, p in enumerate(range(seq.num_computed - n + 1, seq.num_computed + 1)):
+            first = starts[id(seq)]
+            for j, p in enumerate(range(first + 1, first + n + 1)):
                 if p < seq.prompt_len and req.prompt_logprobs[p] is None:
                     req.prompt_logprobs[p] = logprob_entry(
                         seq.tokens[p], prompt.logprobs[o + j], prompt.top_ids[o + j],
@@ -99,11 +101,12 @@ def stop_string(seq: Sequence, params: SamplingParams) -> str | None:
     return s
 
 
-def hidden_states(rows: list[Sequence], counts: dict[int, int], hidden: np.ndarray) -> None:
+def hidden_states(rows: list[Sequence], wanted: set[int], hidden: np.ndarray) -> None:
     """Keeps the last hidden state of each request whose first prefill ended in the step and
-    asked for it (SamplingParams.return_hidden_states); `counts`: tokens per row's chunk."""
+    asked for it (SamplingParams.return_hidden_states); `wanted`: ids of those rows'
+    sequences, decided when the step was sent."""
     for i, seq in enumerate(rows):
-        if id(seq) in counts and seq.wants_hidden(counts[id(seq)]):
+        if id(seq) in wanted:
             seq.owner.hidden_states = np.array(hidden[i])
 
 

@@ -38,6 +38,19 @@ class Admit:
     hit: Hit | None = None
 
 
+@dataclasses.dataclass(eq=False)
+class Sent:
+    """What one call takes and gives that the host learns only from its output: the
+    releases it carries, the blocks its plan may take (at most), the cached-free blocks it
+    evicts onto the free stack, and the cached blocks its prefix hits take back into use
+    (an earlier call's refcounts do not show them yet)."""
+
+    releases: list[tuple[Sequence, int]]
+    need: int
+    evicted: int
+    acquired: set[int] = dataclasses.field(default_factory=set)  # cached blocks its hits took
+
+
 @dataclasses.dataclass
 class Plan:
     """One device call's work (see the module docstring)."""
@@ -51,6 +64,14 @@ class Plan:
     flags: SampleFlags | None = None  # sampler features, if not the rows' own (beam search)
     owned: bool = True  # the device settles the rows (step.settle); not beam search's
     deferred: int = 0  # sequences that wait for blocks a pending release gives back
+    sent: Sent | None = None  # the KV manager's record of the call (take_ops)
+    # Filled when the call is sent (Scheduler.sent), read when its output lands: each row's
+    # computed count before the call, the rows that sample (a placeholder each until read),
+    # and the rows whose request asked for the prompt's hidden state.
+    starts: dict[int, int] = dataclasses.field(default_factory=dict)  # id(seq) -> start
+    slots: dict[int, int] = dataclasses.field(default_factory=dict)  # id(seq) -> its slot
+    samples: set[int] = dataclasses.field(default_factory=set)
+    hidden: set[int] = dataclasses.field(default_factory=set)
 
     @property
     def num_tokens(self) -> int:

@@ -1,10 +1,15 @@
 """The device side of an engine (vLLM's model runner): parameters, the device state, and one
 jitted call per step with one device -> host read of its output.
 
-    run(plan)  ->  batch.build(plan)                        host: pad into a Call
-                   run_step | decode_window | run_ops        one jitted call, state donated
-                   jax.device_get(output)                    the one read
-               ->  StepOutput                                numpy, [W, R] per-row fields
+    dispatch(plan) -> batch.build(plan)                     host: pad into a Call
+                      run_step | decode_window | run_ops     one jitted call, state donated
+                   -> Pending                                 the call's output, on the device
+    collect(pending) -> jax.device_get(output)                the one read (waits for the call)
+                   -> StepOutput                              numpy, [W, R] per-row fields
+    run(plan) = collect(dispatch(plan))
+
+Dispatch returns as soon as the call is queued (JAX dispatches asynchronously), so the host
+can plan the next step while this one runs (async scheduling, engine/engine.py).
 
 The state (pool, page tables, K/V, sampling) lives only here; the KV manager owns every
 host fact about it and reaches the device only to swap a sequence out or to `check` itself.
@@ -78,7 +83,8 @@ class StepOutput:
       refcount: [N] refcounts after the call (prefix caching; else None).
       prompt: per-token prompt logprobs ([T] arrays; None unless a row asked).
       hidden: [R, E] last hidden state per row (None unless asked).
-      seconds: wall time of the jitted call and the read.
+      seconds: wall time from sending the call to its read.
+      wait: the part of it the host spent blocked in the read (the rest it had for itself).
     """
 
     kind: str
@@ -99,6 +105,16 @@ class StepOutput:
     prompt: PromptLogprobs | None = None
     hidden: np.ndarray | None = None
     seconds: float = 0.0
+    wait: float = 0.0
+
+
+@dataclasses.dataclass
+class Pending:
+    """A call sent to the device whose output has not been read."""
+
+    call: batch_lib.Call
+    out: object  # the call's output pytree (device arrays, or a dict for ops)
+    t0: float
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
@@ -159,6 +175,19 @@ class Runner:
 
     def run(self, plan: Plan) -> StepOutput:
         """The plan's one jitted call (after its swap-ins, if any), and its one read."""
+        return self.collect(self.dispatch(plan))
+
+    def collect(self, pending: Pending) -> StepOutput:
+        """The call's one device -> host read (waits for the call to finish)."""
+        t0 = time.perf_counter()
+        read = jax.device_get(_fields(pending.out))
+        t1 = time.perf_counter()
+        host = self._to_host(pending.call, read)
+        host.seconds, host.wait = t1 - pending.t0, t1 - t0
+        return host
+
+    def dispatch(self, plan: Plan) -> Pending:
+        """Sends the plan's one jitted call (after its swap-ins, if any); does not wait."""
         call = batch_lib.build(plan, self.config, self._eos, self.model.vocab_size,
                                self.cfg.backend)
         if plan.restores:
@@ -173,10 +202,8 @@ class Runner:
                                             shape=call.shape)
         else:
             out = self._ops(call)
-        host = self._to_host(call, jax.device_get(_fields(out)))
-        host.seconds = time.perf_counter() - t0
         self._watch_programs()
-        return host
+        return Pending(call, out, t0)
 
     def _ops(self, call: batch_lib.Call) -> dict[str, jax.Array]:
         st = self.state

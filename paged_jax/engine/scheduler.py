@@ -58,6 +58,7 @@ class SchedulerConfig:
     max_skips: int = 8  # cache-aware: the most times a request may be passed over
     decode_window: int = 1  # decode steps per device call when only decodes run
     seed: int = 0  # engine seed: requests without their own get seed * 1_000_003 + arrival
+    async_scheduling: bool = False  # steps are planned one ahead: no decode windows
 
 
 class Scheduler:
@@ -130,17 +131,25 @@ class Scheduler:
         req.num_preemptions += 1
         return freed
 
-    def schedule(self) -> Plan:
-        """Plans one device call (possibly empty when nothing fits yet); may preempt."""
+    def schedule(self, can_preempt: bool = True) -> Plan | None:
+        """Plans one device call (possibly empty when nothing fits yet); may preempt.
+
+        With a step in flight (async scheduling), its sampled tokens are placeholders: a
+        sequence whose output they complete (max_tokens) is not planned again. A plan that
+        would preempt returns None, before any change, unless `can_preempt` (the caller
+        reads the step in flight first, then plans with exact counts)."""
         plan, budget = Plan(), self.config.max_num_batched_tokens
         free, maybe = self.kv.free_total(), self.kv.pending_free()
         for want_decode in (True, False):
             for req in sorted(self.running, key=lambda r: r.order):
                 for seq in [s for s in req.seqs if s.status is Status.RUNNING]:
-                    if budget == 0 or (seq.num_pending == 1) != want_decode:
+                    if budget == 0 or (seq.num_pending == 1) != want_decode or (
+                            seq.num_placeholders and seq.at_max_tokens()):
                         continue
                     n = min(seq.num_pending, budget)
                     need = self.kv.blocks_needed(seq, n)
+                    if need > free and not can_preempt:
+                        return None
                     while need > free + maybe and (victim := self._victim(req, plan)):
                         maybe += self.preempt(victim)
                     if need > free:
@@ -168,11 +177,12 @@ class Scheduler:
             a.new_request = id(a.seq.owner) in new and a.seq.index == 0
             if a.new_request:
                 a.seed = self.config.seed * 1_000_003 + next(self._arrivals)
-        plan.ops = self.kv.take_ops()
+        plan.ops, plan.sent = self.kv.take_ops()
 
     def _window(self, plan: Plan) -> bool:
         """Whether a plan runs as a decode window: decodes only, and nothing joins first."""
-        if self.config.decode_window < 2 or not plan.decode_only or plan.admitted:
+        if (self.config.decode_window < 2 or self.config.async_scheduling
+                or not plan.decode_only or plan.admitted):
             return False
         for s, _ in plan.chunks:
             # going live, or a one-token prompt that must fork or asks for its hidden state
@@ -256,35 +266,76 @@ class Scheduler:
         return left, free - need
 
     # ---- results -------------------------------------------------------------------------
+    def sent(self, plan: Plan, children: list[Sequence]) -> None:
+        """The plan's call is on its way: a step's tokens count as computed now (the next
+        plan may follow before its output is read), and each row that samples holds a
+        placeholder until then (`children`: n > 1 children the step creates, which sample).
+        A window's counts wait for its output (how many steps ran is known only then)."""
+        for seq, n in plan.chunks:
+            plan.starts[id(seq)], plan.slots[id(seq)] = seq.num_computed, seq.slot
+            if seq.wants_hidden(n):
+                plan.hidden.add(id(seq))
+            if seq.num_computed + n == seq.length:
+                plan.samples.add(id(seq))
+        for c in children:
+            plan.starts[id(c)], plan.slots[id(c)] = 0, c.slot
+            plan.samples.add(id(c))
+        if plan.window:
+            return
+        self.kv.advance(plan.chunks)
+        for seq, _ in plan.chunks:
+            seq.num_placeholders += id(seq) in plan.samples
+        for c in children:
+            c.num_placeholders += 1
+
     def update_from_output(self, plan: Plan, out: StepOutput | None) -> list[Request]:
         """Applies one call's results; returns the requests with news (finished ones, whose
-        sequences are freed, and those that ran)."""
+        sequences are freed, and those that ran). A row whose sequence finished while the
+        call ran (stop string, abort: async scheduling) is skipped: its token is discarded."""
         if out is None:
             return []
         if out.kind == "ops" or not out.ok:
-            self.kv.update_from_output([], out)
+            self.kv.update_from_output([], out, plan.sent)
             if not out.ok:  # the plan missed (should not happen): free memory, retry later
+                self._undo(plan)
                 self.refused_steps += 1
                 self.preempt(max(self.running, key=lambda r: r.order))
             return []
-        counts = {id(s): n for s, n in plan.chunks}
         if out.hidden is not None:
-            out_lib.hidden_states(out.rows, counts, out.hidden)
-        advanced, finished = [], []
+            out_lib.hidden_states(out.rows, plan.hidden, out.hidden)
+        rows, finished, dead = [], [], {}
+        counts = {id(s): n for s, n in plan.chunks}
         for i, seq in enumerate(out.rows):
+            if seq.status is Status.FINISHED:
+                seq.num_placeholders = 0
+                dead[i] = plan.slots.get(id(seq), -1)
+                rows.append((seq, plan.starts.get(id(seq), 0), counts.get(id(seq), 0)))
+                continue
+            seq.num_placeholders -= id(seq) in plan.samples and out.kind == "step"
             used, done = out_lib.emit(seq, out, i, int(out.valid[:, i].sum()), self.tokenizer)
-            advanced.append((seq, counts.get(id(seq), 0) if out.kind == "step" else used))
+            start = plan.starts.get(id(seq), seq.num_computed)
+            if out.kind == "window":
+                self.kv.advance([(seq, used)])
+            rows.append((seq, start, seq.num_computed - start))
             if done:
                 finished.append(seq)
-        self.kv.update_from_output(advanced, out)
+        self.kv.update_from_output(rows, out, plan.sent, dead=dead)
         if out.prompt is not None:
-            out_lib.prompt_logprobs(out.rows, plan.chunks, out.prompt, self.tokenizer)
+            out_lib.prompt_logprobs(out.rows, plan.chunks, plan.starts, out.prompt,
+                                    self.tokenizer)
         for parent, children in out.forks:
             self.kv.live_children(parent, children)
             for c in children:
                 c.status = Status.RUNNING
             parent.owner.forked = True
         return self._finish(finished, plan)
+
+    def _undo(self, plan: Plan) -> None:
+        """A refused step computed nothing: its counts and placeholders go back."""
+        for seq, _ in plan.chunks:
+            if id(seq) in plan.starts:
+                seq.num_computed = plan.starts[id(seq)]
+                seq.num_placeholders -= id(seq) in plan.samples
 
     def _finish(self, finished: list[Sequence], plan: Plan) -> list[Request]:
         """Frees finished sequences; the requests with news, finished ones first."""

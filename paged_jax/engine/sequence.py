@@ -7,7 +7,7 @@ num_computed, maybe_shared_last, swapped, prefix_hit, block_hashes) the KV manag
 A request owns n sequences (parallel sampling). Each sequence holds its tokens
 (prompt + generated) and how many of them already have K/V in the cache:
 
-    tokens:        [ p0 p1 p2 ... p(m-1) | o0 o1 ... o(k-1) ]
+    tokens:        [ p0 p1 p2 ... p(m-1) | o0 o1 ... o(k-1) ] (+ num_placeholders not read yet)
     num_computed:  ---------------------------^               K/V cached for tokens[:num_computed]
     the next step feeds tokens[num_computed : num_computed + chunk]; it samples a new token
     when that chunk reaches the end of `tokens` (prefill done, or a decode).
@@ -42,6 +42,9 @@ class Sequence:
     status: Status = Status.WAITING
     # True while the partly filled last block may be shared with a fork (copy-on-write).
     maybe_shared_last: bool = False
+    # Tokens sampled on the device whose step the host has not read yet (async scheduling:
+    # the next step was planned before this one's output came back). Written by the scheduler.
+    num_placeholders: int = 0
     swapped: object = None  # host copy of its K/V blocks while swapped out
     # Prefix caching: hashes of the full blocks of `tokens` (a chain, grown lazily), and the
     # cache hit chosen at admission, attached on the device when the slot goes live.
@@ -61,9 +64,19 @@ class Sequence:
         return self.tokens[self.prompt_len:]
 
     @property
+    def length(self) -> int:
+        """Tokens including those sampled on the device and not read yet."""
+        return len(self.tokens) + self.num_placeholders
+
+    @property
     def num_pending(self) -> int:
         """Tokens whose K/V the next steps must compute."""
-        return len(self.tokens) - self.num_computed
+        return self.length - self.num_computed
+
+    def at_max_tokens(self) -> bool:
+        """Its output (placeholders counted) is as long as max_tokens allows."""
+        most = self.owner.params.max_tokens
+        return most is not None and self.length - self.prompt_len >= most
 
     def wants_hidden(self, n: int) -> bool:
         """Whether computing its next n tokens ends its request's first prefill and the

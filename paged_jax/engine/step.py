@@ -281,6 +281,24 @@ def _empty_out(state: EngineState, rows: int, tokens: int, shape: StepShape,
                    jnp.zeros((rows, 0), jnp.int32), jnp.zeros((0,), jnp.int32))
 
 
+def _resolve(state: EngineState, batch: StepBatch) -> StepBatch:
+    """What only the device knows under async scheduling (the host plans a step before it
+    has read the previous one): an input token of -1 is the slot's last sampled token, and a
+    row whose slot the previous step released (it stopped there) computes nothing: its
+    tokens become padding. Fork children's slots go live later in the step: they stay."""
+    tok, rows = batch.token_ids, batch.token_rows
+    r = batch.row_slots.shape[0]
+    child = jnp.zeros((r,), bool).at[jnp.where(batch.fork_src >= 0, batch.fork_dst, r)].set(
+        True, mode="drop")
+    slots = jnp.clip(batch.row_slots, 0)
+    alive = (batch.row_slots >= 0) & (state.table.live[slots] | child)
+    row_of = jnp.clip(rows, 0)
+    tok = jnp.where(tok < 0, state.sampling.last_token[slots[row_of]], tok)
+    return dataclasses.replace(
+        batch, token_ids=tok, token_rows=jnp.where((rows >= 0) & alive[row_of], rows, -1),
+        row_slots=jnp.where(alive, batch.row_slots, -1), sample=batch.sample & alive)
+
+
 def step_body(
     params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, shape: StepShape
 ) -> tuple[EngineState, StepOut]:
@@ -325,6 +343,7 @@ def run_step(
       is the state after the ops and admissions (nothing sampled, nothing settled).
     """
     state = _admit(settle.apply_batch_ops(state, batch.ops), batch.admit)
+    batch = _resolve(state, batch)
     old_lens = state.table.seq_lens  # after the hits: their blocks are not new
     state, out = step_body(params, state, batch, cfg, shape)
     own = batch.own if batch.own is not None else jnp.zeros_like(batch.sample)

@@ -51,6 +51,8 @@ class SamplingState:
       prompt_mask: [S, V] tokens present in the prompt (for the repetition penalty).
       output_counts: [S, V] how often each token was generated.
       num_generated: [S] tokens generated so far.
+      last_token: [S] the token sampled last (async scheduling feeds it to the next step
+        on the device: the host learns it one step later).
       min_tokens: [S] EOS / stop ids blocked while num_generated < min_tokens.
       max_tokens: [S] stop once num_generated reaches it.
       ignore_eos: [S] EOS does not stop the sequence.
@@ -71,6 +73,7 @@ class SamplingState:
     prompt_mask: Bool[Array, "S V"]
     output_counts: Int[Array, "S V"]
     num_generated: Int[Array, "S"]
+    last_token: Int[Array, "S"]
     min_tokens: Int[Array, "S"]
     max_tokens: Int[Array, "S"]
     ignore_eos: Bool[Array, "S"]
@@ -111,7 +114,7 @@ def init_sampling_state(
         presence_penalty=f(0.0), frequency_penalty=f(0.0), repetition_penalty=f(1.0),
         key=jnp.zeros((s, 2), jnp.uint32),
         prompt_mask=jnp.zeros((s, v), bool), output_counts=jnp.zeros((s, v), jnp.int32),
-        num_generated=i(0), min_tokens=i(0), max_tokens=i(NO_LIMIT),
+        num_generated=i(0), last_token=i(0), min_tokens=i(0), max_tokens=i(NO_LIMIT),
         ignore_eos=jnp.zeros((s,), bool),
         stop_ids=jnp.full((s, m), -1, jnp.int32), eos_ids=jnp.full((s, m), -1, jnp.int32),
         has_bias=jnp.zeros((s,), bool), logit_bias=jnp.zeros((s, v), jnp.float32),
@@ -147,11 +150,13 @@ def update_rows(
     state: SamplingState, slots: Int[Array, "B"], tokens: Int[Array, "B"],
     active: Bool[Array, "B"], history: bool,
 ) -> SamplingState:
-    """Counts the tokens sampled for rows of slots: num_generated, and the output counts
-    when `history` (penalties read them). Inactive rows and padding slots (< 0) are dropped."""
+    """Counts the tokens sampled for rows of slots: num_generated, the last token, and the
+    output counts when `history` (penalties read them). Inactive rows and padding slots (< 0)
+    are dropped."""
     dest = jnp.where(active & (slots >= 0), slots, state.max_seqs)
     out = dataclasses.replace(
-        state, num_generated=state.num_generated.at[dest].add(1, mode="drop"))
+        state, num_generated=state.num_generated.at[dest].add(1, mode="drop"),
+        last_token=state.last_token.at[dest].set(tokens, mode="drop"))
     if history:
         counts = state.output_counts.at[dest, tokens].add(1, mode="drop")
         out = dataclasses.replace(out, output_counts=counts)

@@ -78,6 +78,7 @@ def build_app(llm: LLM | RoutedLLM, model_name: str | None = None,
 
 def _served(llm: LLM, name: str, max_pending: int, metrics: ServerMetrics) -> Served:
     m = metrics.for_model(name)
+    m.watch(llm.llm_engine)
     engine = AsyncEngine(llm.llm_engine, max_pending, on_step=m.after_step,
                          on_abort=lambda rid: m.aborted())
     return Served(llm, name, engine, m)

@@ -7,10 +7,11 @@
     stream.close() --- inbox: abort -------->  abort: blocks freed before the next step
 
 Only the engine thread touches the Engine (it is not thread safe). Outputs are delivered once
-per engine step (a decode window of W steps is one call), so a token reaches its stream within
-one window of being sampled. The number of requests queued or running is bounded
-(`max_pending`): past it `submit` raises `QueueFull` at once (servers answer 503) instead of
-letting the queue grow without bound.
+per engine step: with async scheduling (the server's default) every step is read and delivered
+on its own, so a token reaches its stream one step after it was sampled; without it, a decode
+window of W steps is one call and its W tokens arrive together. The number of requests queued
+or running is bounded (`max_pending`): past it `submit` raises `QueueFull` at once (servers
+answer 503) instead of letting the queue grow without bound.
 """
 
 from __future__ import annotations

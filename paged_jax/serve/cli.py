@@ -27,6 +27,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     ap.add_argument("--swap-space", type=float, default=4, help="GiB")
     ap.add_argument("--decode-window", type=int, default=8)
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                    help="plan each step while the device runs the one before; every token "
+                         "streams as it is read (no decode windows)")
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-pending", type=int, default=256,
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
               dtype=a.dtype, seed=a.seed, preemption_mode=a.preemption_mode,
               decode_window=a.decode_window, attention_backend=a.attention_backend,
               enable_prefix_caching=a.enable_prefix_caching, swap_space=a.swap_space,
-              kv_cache_dtype=a.kv_cache_dtype)
+              kv_cache_dtype=a.kv_cache_dtype, async_scheduling=a.async_scheduling)
     name = a.served_model_name or default_name(a.model)
     if a.strong_model is None:
         app = build_app(LLM(a.model, **kw), name, a.max_pending)

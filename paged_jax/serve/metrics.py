@@ -1,7 +1,8 @@
 """Prometheus metrics of a running engine, under vLLM's metric names.
 
-Gauges are read from the engine after every step (on the engine thread); request metrics are
-recorded when a request finishes (or is aborted). Each server has its own registry, so tests
+Gauges are read from the engine when /metrics is scraped (`watch`), so they are true at every
+scrape: while idle, and after an abort that no step has followed. Request metrics are recorded
+when a request finishes (or is aborted). Each server has its own registry, so tests
 can run several in one process. A server of several models (routing: two models and "auto")
 has one registry; `for_model` gives each model's view, labelled with its name.
 """
@@ -34,6 +35,9 @@ class ServerMetrics:
                                       "Prompt tokens looked up in the prefix cache", **lab)
         self.prefix_hits = Counter("vllm:prefix_cache_hits",
                                    "Prompt tokens served from the prefix cache", **lab)
+        self.preemptions = Counter("vllm:num_preemptions", "Preemptions of running requests",
+                                   **lab)
+        self._preempted = 0  # the engine's count at the last step
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests",
                                      **lab)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", **lab)
@@ -56,12 +60,19 @@ class ServerMetrics:
         view.model = model_name
         return view
 
-    def after_step(self, engine: Engine, outs: list[RequestOutput]) -> None:
-        """Gauges from the engine's state; request metrics of the requests that finished."""
+    def watch(self, engine: Engine) -> None:
+        """The gauges read `engine` at each scrape (lengths and counts only: safe to read
+        while the engine thread steps)."""
         m, sched = self.model, engine.scheduler
-        self.running.labels(m).set(len(sched.running))
-        self.waiting.labels(m).set(len(sched.waiting))
-        self.kv_usage.labels(m).set(engine.kv.usage())
+        self.running.labels(m).set_function(lambda: len(sched.running))
+        self.waiting.labels(m).set_function(lambda: len(sched.waiting))
+        self.kv_usage.labels(m).set_function(engine.kv.usage)
+
+    def after_step(self, engine: Engine, outs: list[RequestOutput]) -> None:
+        """Request metrics of the requests that finished in a step, and its preemptions."""
+        n = engine.scheduler.num_preempted
+        self.preemptions.labels(self.model).inc(n - self._preempted)
+        self._preempted = n
         for out in outs:
             if out.finished:
                 self.finished(out)

@@ -1,0 +1,125 @@
+"""Async scheduling (EngineConfig.async_scheduling): the host plans step n+1 while the device
+runs step n and reads each step one step late. The same tokens as synchronous scheduling, every
+step delivered as read, nothing held after aborts, preemption or stop strings."""
+
+import pytest
+
+from paged_jax.engine import step as step_lib
+from paged_jax.sampling_params import SamplingParams
+from tests.engine_helpers import GREEDY, all_free, engine, prompts, run
+
+
+def both(reqs, **overrides) -> tuple[dict, dict, object]:
+    """Runs `reqs` synchronously and asynchronously on fresh engines: (sync, async outputs,
+    the async engine)."""
+    sync = run(engine(**overrides), reqs)
+    eng = engine(async_scheduling=True, **overrides)
+    return sync, run(eng, reqs), eng
+
+
+def same(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for rid in a:
+        for x, y in zip(a[rid].outputs, b[rid].outputs, strict=True):
+            assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == (
+                y.token_ids, y.text, y.finish_reason, y.stop_reason), rid
+
+
+def test_greedy_tokens_equal_and_every_step_delivers_one_token():
+    reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(24))]
+    sync = run(engine(), reqs)
+    eng = engine(async_scheduling=True)
+    for rid, p, sp in reqs:
+        eng.add_request(rid, p, sp)
+    seen, done = {}, {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            n = len(out.outputs[0].token_ids)
+            assert n - seen.get(out.request_id, 0) <= 1, "more than one token per step"
+            seen[out.request_id] = n
+            if out.finished:
+                done[out.request_id] = out
+    same(sync, done)
+    assert all_free(eng)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_gives_the_same_tokens(mode):
+    reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(20))]
+    sync, got, eng = both(reqs, num_kv_blocks=20, preemption_mode=mode)
+    same(sync, got)
+    assert eng.scheduler.num_preempted > 0 and eng.scheduler.refused_steps == 0
+    assert all_free(eng)
+
+
+def test_sampling_forks_stop_strings_and_max_tokens_give_the_same_outputs():
+    """Seeded sampling with n > 1 and penalties; stop strings taken from the greedy text so
+    they hit mid-run (the async engine has already planned the next token then); max_tokens
+    landing at different steps."""
+    ps = prompts(12)
+    greedy = run(engine(), [(str(i), p, GREEDY) for i, p in enumerate(ps)])
+    reqs = []
+    for i, p in enumerate(ps):
+        stop = [greedy[str(i)].outputs[0].text[6:8]] if i % 3 == 0 else None
+        sp = SamplingParams(temperature=0.0 if stop else 0.9, seed=i, n=2 if i % 3 == 1 else 1,
+                            max_tokens=5 + 3 * (i % 5), stop=stop, presence_penalty=0.3,
+                            ignore_eos=i % 2 == 0)
+        reqs.append((str(i), p, sp))
+    sync, got, eng = both(reqs)
+    same(sync, got)
+    assert any(o.outputs[0].finish_reason == "stop" for o in got.values())
+    assert all_free(eng)
+
+
+def test_prefix_hits_give_the_same_tokens():
+    system = "a long shared system prompt that fills several blocks of the cache. "
+    reqs = [(str(i), system + f"q{i}", GREEDY) for i in range(12)]
+    sync, got, eng = both(reqs)
+    same(sync, got)
+    assert eng.prefix.hit_rate > 0 and all_free(eng)
+
+
+def test_an_abort_between_plan_and_result_frees_everything():
+    reqs = [(str(i), p, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+            for i, p in enumerate(prompts(6))]
+    sync = run(engine(), reqs)
+    eng = engine(async_scheduling=True)
+    for r in reqs:
+        eng.add_request(*r)
+    done = {}
+    for _ in range(4):
+        for out in eng.step():
+            assert out.request_id != "2" or not out.finished
+    assert eng._in_flight is not None, "a step is in flight when the abort lands"
+    eng.abort("2")
+    while eng.has_unfinished():
+        for out in eng.step():
+            assert out.request_id != "2", "an aborted request reports nothing more"
+            if out.finished:
+                done[out.request_id] = out
+    same({k: v for k, v in sync.items() if k != "2"}, done)
+    eng.kv.check()
+    assert all_free(eng)
+
+
+def test_no_recompilation_after_warmup():
+    reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(10))]
+    run(engine(async_scheduling=True), reqs)
+    size = step_lib.run_step._cache_size()
+    run(engine(async_scheduling=True), [(f"b{i}", p, sp) for i, p, sp in reqs])
+    assert step_lib.run_step._cache_size() == size
+
+
+def test_beam_search_runs_on_an_async_engine():
+    from paged_jax import LLM
+    from paged_jax.models.testing import byte_tokenizer, random_params, tiny_config
+    from paged_jax.sampling_params import BeamSearchParams
+
+    c = tiny_config()
+    parts = (c, random_params(c), byte_tokenizer())
+    kw = dict(model_parts=parts, num_kv_blocks=160, block_size=8, max_model_len=128,
+              static_shapes=True, max_num_seqs=8, max_num_batched_tokens=64, max_logprobs=4)
+    bp = BeamSearchParams(beam_width=2, max_tokens=6)
+    want = LLM(**kw).beam_search(["hello there"], bp)
+    got = LLM(async_scheduling=True, **kw).beam_search(["hello there"], bp)
+    assert [s.tokens for s in got[0].sequences] == [s.tokens for s in want[0].sequences]
