@@ -8,6 +8,7 @@ its work costs while the number of compiled programs stays small:
       rows R          next power of two of the running sequences (from 1)
     ragged step (prefill chunks, admissions, forks; its cost is mostly its T tokens):
       rows R          next power of two of the rows (sequences + n > 1 children), at least S/4
+                      (decode-only steps, async scheduling's hot loop: from 1, as windows)
       tokens T        decode-only: R; with prefill chunks: budget / 4 or budget (two buckets)
       max_q           1 (decodes), T / 8 (every chunk short), or T
       max_q_rows      1, 4 or R rows with more than one token (they come first)
@@ -205,10 +206,11 @@ def _step_buckets(chunks: list[tuple[Sequence, int]], num_rows: int, ec) -> tupl
     top = next_pow2(ec.max_num_batched_tokens)
     if ec.static_shapes:
         return ec.max_num_seqs, max(top, next_pow2(ec.max_num_seqs))
+    if not any(n > 1 for _, n in chunks):  # decodes only: the window's buckets (from 1)
+        r = next_pow2(num_rows)
+        return r, r
     r = next_pow2(num_rows, ec.max_num_seqs // 4)
     total = sum(n for _, n in chunks)
-    if not any(n > 1 for _, n in chunks):
-        return r, r
     t = next_pow2(total, max(8, top // 4))
     return r, top if t > top // 4 else t
 
