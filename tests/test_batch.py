@@ -57,10 +57,19 @@ def test_ragged_step_shapes():
     plan = Plan(chunks=[(seqs[0], 30), (seqs[1], 1), (seqs[2], 1)])
     batch, shape, forks, rows = batch_lib.build_step(plan, EC, [256], 257, "reference")
     assert rows[0] is seqs[0] and not forks
-    assert batch.row_slots.shape == (4,)  # 3 rows, the bucket floor is S / 4 = 2
+    assert batch.row_slots.shape == (EC.max_num_seqs,)  # with a prefill: every slot's row
     assert batch.token_ids.shape == (64,)  # budget 64: token buckets 16 and 64
     assert shape.max_q_rows == 1 and shape.max_pages == 4 and shape.max_copies == 0
     assert batch.admit.slot.shape == (EC.max_num_seqs,) and (np.asarray(batch.admit.slot) < 0).all()
+
+
+def test_decode_only_steps_follow_the_running_sequences_and_admit_nothing():
+    """Async scheduling's hot loop: rows from 1, no admission rows unless a slot joins."""
+    for n, rows in [(1, 1), (3, 4), (5, 8)]:
+        plan = Plan(chunks=[(s, 1) for s in running(n, length=30)])
+        batch, shape, _, _ = batch_lib.build_step(plan, EC, [256], 257, "cpu")
+        assert batch.row_slots.shape == batch.token_ids.shape == (rows,) and shape.max_q == 1
+        assert batch.admit is None
 
 
 def test_copies_are_bounded_by_the_rows_that_may_share():

@@ -7,12 +7,12 @@ its work costs while the number of compiled programs stays small:
     decode window (W decode steps, the hot loop):
       rows R          next power of two of the running sequences (from 1)
     ragged step (prefill chunks, admissions, forks; its cost is mostly its T tokens):
-      rows R          next power of two of the rows (sequences + n > 1 children), at least S/4
-                      (decode-only steps, async scheduling's hot loop: from 1, as windows)
+      rows R          with prefill chunks: S (every slot: one row bucket at any load);
+                      decode-only (async scheduling's hot loop): power of two from 1
       tokens T        decode-only: R; with prefill chunks: budget / 4 or budget (two buckets)
       max_q           1 (decodes), T / 8 (every chunk short), or T
       max_q_rows      1, 4 or R rows with more than one token (they come first)
-      admissions A    max_num_seqs entries
+      admissions A    max_num_seqs entries (none in a decode-only step that admits nothing)
     both:
       pages           only for attention backends whose cost follows a page bucket (the jnp
                       reference, Pallas): max_pages = next power of two of the longest row's
@@ -197,7 +197,11 @@ def build_step(
     if any(seq.wants_hidden(n) for seq, n in chunks):
         shape = dataclasses.replace(shape, hidden=True)
     arrays = (tok, pos, rows_of, row_slots, qs, sample, fs, fd, fi, next_ids)
-    admit = build_admissions(plan.admits, ec, shape.flags, eos_ids, vocab_size)
+    # A decode-only step with nothing to admit (the async hot loop) sends no admission rows:
+    # a program of its own, and a dozen fewer host -> device copies per step.
+    none = not plan.admits and shape.max_q == 1 and not ec.static_shapes
+    admit = None if none else build_admissions(plan.admits, ec, shape.flags, eos_ids,
+                                               vocab_size)
     return StepBatch(*arrays[:-1], admit=admit, next_ids=arrays[-1]), shape, forks, rows
 
 
@@ -209,7 +213,9 @@ def _step_buckets(chunks: list[tuple[Sequence, int]], num_rows: int, ec) -> tupl
     if not any(n > 1 for _, n in chunks):  # decodes only: the window's buckets (from 1)
         r = next_pow2(num_rows)
         return r, r
-    r = next_pow2(num_rows, ec.max_num_seqs // 4)
+    # With prefill chunks a step's cost is its T tokens; rows add little, and one row
+    # bucket (all slots) means a server meets the same few programs at every load.
+    r = next_pow2(ec.max_num_seqs)
     total = sum(n for _, n in chunks)
     t = next_pow2(total, max(8, top // 4))
     return r, top if t > top // 4 else t
