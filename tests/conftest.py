@@ -62,6 +62,8 @@ SLOW_TESTS = {
                                 "test_data_parallel_replicas_share_the_work",
                                 "test_tokens_match_one_device[4]"},
     "test_routing.py": {"test_build_labels_features_and_saves"},
+    "test_routing_balance.py": {"test_replicas_serve_every_request"},
+    "test_allocator_state_machine.py": {"TestDeepAllocatorMachine"},
     "test_gpu_bench.py": {"test_engine_section_and_outputs",
                           "test_runs_with_only_jax_numpy_and_jaxtyping"},
 }
@@ -70,5 +72,6 @@ SLOW_TESTS = {
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.path.name
-        if module in SLOW_MODULES or {item.name, item.originalname} & SLOW_TESTS.get(module, set()):
+        names = {item.name, item.originalname, item.parent.name}  # parent: a test class
+        if module in SLOW_MODULES or names & SLOW_TESTS.get(module, set()):
             item.add_marker(pytest.mark.slow)

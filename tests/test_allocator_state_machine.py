@@ -203,10 +203,19 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 AllocatorMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=60, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestAllocatorMachine = AllocatorMachine.TestCase
+
+
+class DeepAllocatorMachine(AllocatorMachine):
+    """The same machine, searched longer: the slow tier (tests/conftest.py)."""
+
+
+DeepAllocatorMachine.TestCase.settings = settings(AllocatorMachine.TestCase.settings,
+                                                  max_examples=400)
+TestDeepAllocatorMachine = DeepAllocatorMachine.TestCase
 
 
 def _over(name: str, rtol: float):
