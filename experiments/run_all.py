@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from experiments import (
+    async_scheduling,
     batch_under_budget,
     bench,
     bench_serving,
@@ -43,6 +44,7 @@ FULL = [
     (routing, dict(argv=[])),
     (scaling, dict(argv=[])),
     (bench, dict(argv=[])),
+    (async_scheduling, dict(argv=[])),
     (bench_serving, dict(argv=["--requests", "32", "--rates", "1", "2", "inf", "--offline"]
                           + (["--vllm-python", str(VLLM)] if VLLM.exists() else []))),
     (test_times, dict(argv=[])),  # `make test` cold and warm, last: it runs the suite twice

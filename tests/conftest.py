@@ -64,6 +64,11 @@ SLOW_TESTS = {
     "test_routing.py": {"test_build_labels_features_and_saves"},
     "test_routing_balance.py": {"test_replicas_serve_every_request"},
     "test_allocator_state_machine.py": {"TestDeepAllocatorMachine"},
+    "test_kernel_properties.py": {"test_ragged_kernel_matches_reference_deep",
+                                  "test_decode_kernel_matches_reference_deep"},
+    "test_cpu_attention.py": {"test_quantized_pages_match_the_reference_deep"},
+    "test_async_scheduling.py": {"test_preemption_gives_the_same_tokens[swap]"},
+    "test_hidden_states.py": {"test_hidden_state_survives_preemption"},
     "test_gpu_bench.py": {"test_engine_section_and_outputs",
                           "test_runs_with_only_jax_numpy_and_jaxtyping"},
 }

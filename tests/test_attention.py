@@ -47,7 +47,7 @@ def test_reference_matches_naive(batch):
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(batch=batches(), tile=st.integers(1, MAX_Q), rows=st.sampled_from([None, 1, 2, S]))
 def test_query_tiles_match_naive(batch, tile, rows):
     """Long rows cut into query tiles (smaller than a row, here) give the same attention,

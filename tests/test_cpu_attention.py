@@ -96,9 +96,7 @@ def test_loading_the_kernel_keeps_subnormal_floats():
     assert np.float32(1e-40) * np.float32(1.0) != 0.0  # (XLA flushes in its own threads)
 
 
-@settings(max_examples=10, deadline=None)  # each example compiles its shapes: seconds
-@given(batch=batches(), name=st.sampled_from(["int8", "fp8", "fp8_e5m2"]))
-def test_quantized_pages_match_the_reference(batch, name):
+def quantized_pages_match(batch, name):
     """int8 / fp8 pages with two scales per row (groups of D / 2); free blocks' scales are
     NaN."""
     from paged_jax.cache import kv_quant
@@ -114,3 +112,12 @@ def test_quantized_pages_match_the_reference(batch, name):
     ref = np.asarray(paged_attention(*args, max_q=8, backend="reference", scale=0.3))
     assert np.all(np.isfinite(got)), "a NaN from a free block leaked"
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
+
+
+# Each example compiles its shapes (seconds): a few in the fast tier, more in the slow tier's
+# twin (tests/conftest.py).
+_QUANTIZED = given(batch=batches(), name=st.sampled_from(["int8", "fp8", "fp8_e5m2"]))
+test_quantized_pages_match_the_reference = settings(max_examples=5, deadline=None)(
+    _QUANTIZED(quantized_pages_match))
+test_quantized_pages_match_the_reference_deep = settings(max_examples=24, deadline=None)(
+    _QUANTIZED(quantized_pages_match))

@@ -125,3 +125,13 @@ def test_bench_puts_every_side_on_the_same_rows():
         assert len(e["runs"]) == 2 and e["tok_s"] > 0 and e["limit_tok_s"] > 0
         assert e["agree_first16_with_ours"] >= 0
     assert data["provenance"]["cpu"] and data["provenance"]["versions"]["jax"]
+
+
+def test_async_scheduling_alternates_its_sides():
+    from experiments import async_scheduling
+
+    data = async_scheduling.main(["--rounds", "2", "--tokens", "4", "--batches", "2"])
+    assert {r["side"] for r in data["rows"]} == {"window 8", "sync", "async"}
+    for r in data["rows"]:
+        assert len(r["runs"]) == 2 and r["tok_s"] > 0 and 0 <= r["host_share"] < 1
+        assert r["greedy_agree"] == 1.0  # the same tokens whichever way the steps run

@@ -66,13 +66,14 @@ def close(out, ref, dtype: str) -> None:
     np.testing.assert_allclose(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-SETTINGS = settings(max_examples=8, deadline=None,
+# Each example runs the kernels in the interpreter (seconds): the fast tier searches a few,
+# the slow tier's twins (`_deep`, tests/conftest.py) many more.
+SETTINGS = settings(max_examples=4, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+DEEP = settings(SETTINGS, max_examples=16)
 
 
-@SETTINGS
-@given(pr=problems())
-def test_ragged_kernel_matches_reference(pr):
+def ragged_matches(pr):
     batch = build(pr)
     ref = ragged_reference(*batch, max_q=pr["max_q"])
     for variant in ("grouped", "dot") if pr["block"] >= DOT_MIN else ("grouped",):
@@ -80,12 +81,18 @@ def test_ragged_kernel_matches_reference(pr):
               pr["dtype"])
 
 
-@SETTINGS
-@given(pr=problems(max_q_choices=(1,)))
-def test_decode_kernel_matches_reference(pr):
+def decode_matches(pr):
     q, k, v, tables, lens, qs = build(pr)
     args = (q[qs[:-1]], k, v, tables, lens)  # one query per sequence: its first
     ref = decode_reference(*args)
     variants = ["grouped", "split"] + (["dot"] if pr["block"] >= DOT_MIN else [])
     for variant in variants:
         close(decode_attention(*args, variant=variant, num_splits=2), ref, pr["dtype"])
+
+
+test_ragged_kernel_matches_reference = SETTINGS(given(pr=problems())(ragged_matches))
+test_ragged_kernel_matches_reference_deep = DEEP(given(pr=problems())(ragged_matches))
+test_decode_kernel_matches_reference = SETTINGS(
+    given(pr=problems(max_q_choices=(1,)))(decode_matches))
+test_decode_kernel_matches_reference_deep = DEEP(
+    given(pr=problems(max_q_choices=(1,)))(decode_matches))

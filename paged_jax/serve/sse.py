@@ -58,12 +58,17 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
 
 
 def _deltas(sent: dict, key, out: RequestOutput):
-    """(choice, new text, first new token index) for each choice with something new."""
+    """(choice, new text, first new token index) for each choice with something new.
+
+    Text that ends in an incomplete UTF-8 character (U+FFFD until the next token completes
+    it) is held back until it is complete or the choice finishes, so the deltas add up to
+    the final text."""
     for c in out.outputs:
         text_at, tok_at = sent.get((key, c.index), (0, 0))
-        if len(c.text) > text_at or len(c.token_ids) > tok_at or c.finish_reason:
-            sent[(key, c.index)] = (len(c.text), len(c.token_ids))
-            yield c, c.text[text_at:], tok_at, text_at
+        text = c.text if c.finish_reason else c.text.rstrip("\ufffd")
+        if len(text) > text_at or len(c.token_ids) > tok_at or c.finish_reason:
+            sent[(key, c.index)] = (max(len(text), text_at), len(c.token_ids))
+            yield c, text[text_at:], tok_at, text_at
 
 
 async def completion_chunks(rid: str, streams: list[RequestStream], n: int,
