@@ -214,7 +214,7 @@ class DeepAllocatorMachine(AllocatorMachine):
 
 
 DeepAllocatorMachine.TestCase.settings = settings(AllocatorMachine.TestCase.settings,
-                                                  max_examples=400)
+                                                  max_examples=250)
 TestDeepAllocatorMachine = DeepAllocatorMachine.TestCase
 
 

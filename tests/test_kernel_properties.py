@@ -70,7 +70,7 @@ def close(out, ref, dtype: str) -> None:
 # the slow tier's twins (`_deep`, tests/conftest.py) many more.
 SETTINGS = settings(max_examples=4, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-DEEP = settings(SETTINGS, max_examples=16)
+DEEP = settings(SETTINGS, max_examples=12)
 
 
 def ragged_matches(pr):
