@@ -160,7 +160,7 @@ class Engine:
             out, touched = self._read(plan, self._send(plan))
         self.settle()
         self._record(t0, plan, out, preempted)
-        return [self._output(r) for r in touched if self.requests.get(r.request_id) is r]
+        return self._outputs(touched)
 
     def _send(self, plan: Plan) -> Pending | None:
         if plan.empty:
@@ -200,7 +200,7 @@ class Engine:
         host's counts are exact (`KVManager.check` may run). Returns its outputs."""
         touched = self._drain()
         self.settle()
-        return [self._output(r) for r in touched if self.requests.get(r.request_id) is r]
+        return self._outputs(touched)
 
     def _drain(self) -> list[Request]:
         """Reads the step in flight, if any (async scheduling)."""
@@ -289,6 +289,11 @@ class Engine:
         self.scheduler.free(seqs)
 
     # ---- outputs -------------------------------------------------------------------------
+    def _outputs(self, touched: list[Request]) -> list[RequestOutput]:
+        """Outputs of the touched requests still in the engine (an aborted one reports no
+        more, though a step in flight computed for it)."""
+        return [self._output(r) for r in touched if self.requests.get(r.request_id) is r]
+
     def _output(self, req: Request) -> RequestOutput:
         if req.finished:
             self.requests.pop(req.request_id, None)
