@@ -5,14 +5,15 @@
 Requests with ShareGPT-like lengths (paged_jax/study/workloads.py, scaled to a CPU) arrive as a
 Poisson process (`--cv` != 1: gamma gaps) at each rate and stream their tokens back from
 /v1/completions. Per rate it prints and saves request throughput, output tok/s, TTFT / TPOT /
-ITL (mean, p50, p99) and tokens per streamed chunk, and counts every request's fate: done,
-refused with 503, failed, so that none can vanish. Without --url it starts `python -m
-paged_jax.serve` on a free port (prefix caching off: the workload's prompts share their text)
-and stops it afterwards. `--offline` also runs the same requests through `LLM.generate` in this
-process, after the server has stopped, and prints the server's throughput against it (the HTTP
-+ async-loop overhead). `--vllm-python PY` runs the same client against vLLM's OpenAI server
-started with that interpreter (`make peers` does, with its .venv-vllm). Writes
-results/bench_serving.json and .png.
+ITL (mean, p50, p99), TTFT split into queueing and prefill (means, from the server's /metrics
+histograms, which vLLM exports under the same names) and tokens per streamed chunk, and counts
+every request's fate: done, refused with 503, failed, so that none can vanish. Without --url it
+starts `python -m paged_jax.serve` on a free port (prefix caching off: the workload's prompts
+share their text) and stops it afterwards. `--offline` also runs the same requests through
+`LLM.generate` in this process, after the server has stopped, and prints the server's throughput
+against it (the HTTP + async-loop overhead). `--vllm-python PY` runs the same client against
+vLLM's OpenAI server started with that interpreter (`make peers` does, with its .venv-vllm).
+Writes results/bench_serving.json and .png.
 """
 
 from __future__ import annotations
@@ -106,6 +107,33 @@ def summarize(rate: float, res: list[dict], wall: float) -> dict:
                 chunk_tokens_max=float(chunk.max()) if len(chunk) else None)
 
 
+SPLIT = {"queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds"}
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The _sum and _count of the TTFT-split histograms on the server's /metrics (vLLM and
+    paged-jax export them under the same names), summed over labels."""
+    import httpx
+
+    got: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if any(name in (h + "_sum", h + "_count") for h in SPLIT.values()):
+            got[name] = got.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return got
+
+
+def ttft_split(before: dict, after: dict) -> dict:
+    """Mean queueing and prefill time (ms) of the requests finished between two scrapes,
+    as the server measured them."""
+    out = {}
+    for key, h in SPLIT.items():
+        n = after.get(h + "_count", 0) - before.get(h + "_count", 0)
+        total = after.get(h + "_sum", 0) - before.get(h + "_sum", 0)
+        out[f"{key}_mean_ms"] = 1e3 * total / n if n else None
+    return out
+
+
 def start_server(model: str | None, flags: list[str]) -> tuple[subprocess.Popen, str]:
     """`python -m paged_jax.serve` on a free port, once /health answers."""
     port = _free_port()
@@ -181,9 +209,11 @@ def sweep(proc, url: str, model: str, tok, a, server: str) -> list[dict]:
         for rate in a.rates:
             items = make_workload("sharegpt", a.requests, rate, tok, seed=a.seed,
                                   scale=a.scale, max_model_len=512, cv=a.cv)
-            t0 = time.perf_counter()
+            before, t0 = scrape(url), time.perf_counter()
             res = asyncio.run(run_rate(url, model, items, a.timeout))
-            rows.append(dict(server=server, **summarize(rate, res, time.perf_counter() - t0)))
+            wall = time.perf_counter() - t0
+            rows.append(dict(server=server, **summarize(rate, res, wall),
+                             **ttft_split(before, scrape(url))))
             print(table(rows[-1:], COLUMNS), flush=True)
     finally:
         if proc is not None:
@@ -263,7 +293,7 @@ def main(argv: list[str] | None = None, name: str = "bench_serving") -> dict:
 
 COLUMNS = ["server", "rate", "sent", "done", "refused_503", "failed", "lost", "request_throughput",
            "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
-           "itl_p50_ms", "itl_p99_ms", "chunk_tokens_mean"]
+           "queue_mean_ms", "prefill_mean_ms", "itl_p50_ms", "itl_p99_ms", "chunk_tokens_mean"]
 
 if __name__ == "__main__":
     main()

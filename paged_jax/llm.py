@@ -131,6 +131,9 @@ class LLM:
         kind of call instead of one per bucket): compiles less, computes more on small steps.
       async_scheduling: plan and send each step while the device runs the one before (vLLM's
         name); every step's tokens are delivered as read (no decode windows). Same tokens.
+      long_prefill_token_threshold: the most tokens of one prompt a step prefills (vLLM's
+        name); 0 = all the budget left after the decodes. Caps how long a step takes while
+        a long prompt prefills beside running decodes.
       model_parts: (config, params, tokenizer) to use instead of loading `model`.
     """
 
@@ -144,7 +147,8 @@ class LLM:
         swap_space: float = 4, gpu_memory_utilization: float | None = None,
         kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
         data_parallel_size: int = 1, static_shapes: bool = False,
-        async_scheduling: bool = False, **unsupported,
+        async_scheduling: bool = False, long_prefill_token_threshold: int = 0,
+        **unsupported,
     ):
         if unsupported:
             raise TypeError(f"LLM() got unsupported arguments: {sorted(unsupported)}")
@@ -179,7 +183,8 @@ class LLM:
             backend=attention_backend, max_logprobs=max_logprobs, seed=seed,
             enable_prefix_caching=enable_prefix_caching, swap_space=int(swap_space * (1 << 30)),
             kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size,
-            static_shapes=static_shapes, async_scheduling=async_scheduling)
+            static_shapes=static_shapes, async_scheduling=async_scheduling,
+            long_prefill_token_threshold=long_prefill_token_threshold)
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         self.replicas = [Engine(config, params, tok, dataclasses.replace(

@@ -123,3 +123,34 @@ def test_beam_search_runs_on_an_async_engine():
     want = LLM(**kw).beam_search(["hello there"], bp)
     got = LLM(async_scheduling=True, **kw).beam_search(["hello there"], bp)
     assert [s.tokens for s in got[0].sequences] == [s.tokens for s in want[0].sequences]
+
+
+def test_a_long_prompt_shares_every_step_with_the_decodes():
+    """Fair prefill (long_prefill_token_threshold=16): a 200-token prompt arriving among six
+    decoding requests prefills in chunks of at most 16 beside them; every step of its
+    prefill gives each short request its next token; nothing is preempted; the tokens are
+    those of an uncapped synchronous engine."""
+    short = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    reqs = [(f"s{i}", p, short) for i, p in enumerate(prompts(6))]
+    long = ("L", "a long prompt: " + "the quick brown fox jumps over the lazy dog " * 4, GREEDY)
+    ref = run(engine(), reqs + [long])
+    eng = engine(async_scheduling=True, long_prefill_token_threshold=16)
+    eng.recorder = steps = []
+    for r in reqs:
+        eng.add_request(*r)
+    seen, done, arrived = {}, {}, None
+    while eng.has_unfinished():
+        for out in eng.step():
+            n = len(out.outputs[0].token_ids)
+            if arrived is not None and out.request_id != "L" and seen.get("L", 0) == 0:
+                # the long prompt prefills: every short request moves by one token
+                assert n == seen[out.request_id] + 1, out.request_id
+            seen[out.request_id] = n
+            if out.finished:
+                done[out.request_id] = out
+        if arrived is None and min(seen.get(r[0], 0) for r in reqs) >= 4:
+            eng.add_request(*long)
+            arrived = len(steps)
+    same(ref, done)
+    assert max(s.num_tokens for s in steps[arrived:]) <= 6 + 16
+    assert eng.scheduler.num_preempted == 0 and all_free(eng)

@@ -69,6 +69,28 @@ def test_decodes_first_then_prefill_chunks_then_admission_fcfs():
     assert [r.request_id for r in plan.admitted] == ["new"] and not plan.window
 
 
+def test_a_long_prefill_takes_at_most_the_threshold_per_step():
+    """Fair prefill: with long_prefill_token_threshold, a prompt's chunk is capped both when
+    admitted and while it prefills, so the decodes' step stays short; decodes are never
+    capped (one token each)."""
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, block_size=K,
+                          long_prefill_token_threshold=3)
+    sch = Scheduler(cfg, kv_manager(num_blocks=20))
+    old, prefilling = request("old", 5), request("pre", 12)
+    run_until(sch, old, 5, extra_tokens=1)
+    run_until(sch, prefilling, 4)  # 8 prompt tokens to go
+    sch.add(request("new", 10))
+    plan = sch.schedule()
+    assert plan_of(plan) == [("old", 1), ("pre", 3), ("new", 3)]
+    uncapped = Scheduler(dataclasses.replace(cfg, long_prefill_token_threshold=0),
+                         kv_manager(num_blocks=20))
+    old, prefilling = request("old", 5), request("pre", 12)
+    run_until(uncapped, old, 5, extra_tokens=1)
+    run_until(uncapped, prefilling, 4)
+    uncapped.add(request("new", 10))
+    assert plan_of(uncapped.schedule()) == [("old", 1), ("pre", 8), ("new", 7)]
+
+
 def test_admission_stops_at_the_first_request_that_does_not_fit():
     sch = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=K),
                     kv_manager(num_blocks=5))  # 4 usable blocks

@@ -44,6 +44,10 @@ def test_models_health_metrics_and_completions():
         assert metric(text, "vllm:request_success_total", finished_reason="length") == 1
         assert metric(text, "vllm:generation_tokens_total") == 12
         assert metric(text, "vllm:time_to_first_token_seconds_count") == 1
+        # TTFT split as vLLM splits it: queueing + prefill = TTFT (one request)
+        split = [metric(text, f"vllm:request_{k}_time_seconds_sum") for k in ("queue", "prefill")]
+        assert min(split) >= 0 and sum(split) == pytest.approx(
+            metric(text, "vllm:time_to_first_token_seconds_sum"), abs=1e-6)
         assert metric(text, "vllm:num_requests_running") == 0
 
 

@@ -40,6 +40,10 @@ class EngineConfig:
       async_scheduling: plan and send step n+1 while the device runs step n (vLLM's
         name); the sampled tokens stay on the device and the host reads each step one step
         late. Every step is delivered as it is read (no decode windows). Same tokens.
+      long_prefill_token_threshold: the most tokens one sequence's prefill (or recompute)
+        chunk takes in a step (vLLM's name); 0 = what budget is left. A long prompt then
+        shares each step with the running decodes instead of filling it, so their
+        inter-token latency holds while it prefills (experiments/long_prompt.py).
       static_shapes: pad every call to the largest shape, with every sampler feature on:
         one program per kind of call (step, window, ops) instead of one per bucket. Fewer
         compiles (tests; an accelerator whose programs are few and fixed), more padded work
@@ -65,6 +69,7 @@ class EngineConfig:
     first_device: int = 0
     static_shapes: bool = False
     async_scheduling: bool = False
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         kv_quant.storage_dtype(self.kv_cache_dtype, "float32")  # a clear error if unknown
@@ -79,6 +84,9 @@ class EngineConfig:
                      "max_model_len", "decode_window", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0 = no cap), "
+                             f"got {self.long_prefill_token_threshold}")
 
     @property
     def cache(self) -> CacheConfig:

@@ -98,7 +98,8 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.block_size,
                             ec.admission, ec.max_skips, ec.decode_window, ec.seed,
-                            async_scheduling=ec.async_scheduling),
+                            async_scheduling=ec.async_scheduling,
+                            long_prefill_token_threshold=ec.long_prefill_token_threshold),
             self.kv, policy, tokenizer)
         self.requests: dict[str, Request] = {}
         self._in_flight: tuple[Plan, Pending] | None = None  # async: sent, not read yet

@@ -5,7 +5,9 @@ up with its total tokens. Each step has a budget of `max_num_batched_tokens` tok
 `max_num_seqs` sequences:
   1. running sequences needing one token (decodes) go first, oldest request first;
   2. running sequences with more pending tokens (prefill, or recompute after preemption) get
-     chunks of what budget is left, oldest first (chunked prefill);
+     chunks of what budget is left, oldest first (chunked prefill), each chunk at most
+     `long_prefill_token_threshold` tokens when set (a long prompt then shares steps with
+     the decodes instead of filling them: fair prefill);
   3. waiting requests are admitted first come first served (preempted ones at the front) while
      slots, budget and blocks allow; the first that does not fit stops admission. With prefix
      caching, a request starts at its longest cached prefix: hit blocks cost no new blocks
@@ -59,6 +61,7 @@ class SchedulerConfig:
     decode_window: int = 1  # decode steps per device call when only decodes run
     seed: int = 0  # engine seed: requests without their own get seed * 1_000_003 + arrival
     async_scheduling: bool = False  # steps are planned one ahead: no decode windows
+    long_prefill_token_threshold: int = 0  # most tokens of one prefill chunk; 0 = no cap
 
 
 class Scheduler:
@@ -146,7 +149,7 @@ class Scheduler:
                     if budget == 0 or (seq.num_pending == 1) != want_decode or (
                             seq.num_placeholders and seq.at_max_tokens()):
                         continue
-                    n = min(seq.num_pending, budget)
+                    n = self._chunk(seq, budget)
                     need = self.kv.blocks_needed(seq, n)
                     if need > free and not can_preempt:
                         return None
@@ -161,6 +164,13 @@ class Scheduler:
         plan.window = self._window(plan)
         self._finish_plan(plan)
         return plan
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq` the step computes: what is pending, within the budget and, for a
+        prefill chunk, the long-prefill cap."""
+        cap = self.config.long_prefill_token_threshold
+        n = min(seq.num_pending, budget)
+        return min(n, cap) if cap and n > 1 else n
 
     def _finish_plan(self, plan: Plan) -> None:
         """Room for the plan (evictions), its admissions and the queued ops."""
@@ -241,7 +251,7 @@ class Scheduler:
         hit = self.kv.try_hit(req)
         chunks, need, left = [], hit.num_evictable if hit else 0, budget
         for s in seqs:
-            n = min(s.num_pending, left)
+            n = self._chunk(s, left)
             if n == 0:
                 break
             chunks.append((s, n))

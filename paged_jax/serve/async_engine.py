@@ -134,7 +134,8 @@ class AsyncEngine:
             if rid in self._streams:
                 raise ValueError(f"request_id {rid!r} is already in use")
             self._streams[rid] = stream
-        self._inbox.put(("add", rid, prompt, params))
+        # arrival is now, not when the engine thread next looks (after a step)
+        self._inbox.put(("add", rid, prompt, params, time.time()))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -180,9 +181,9 @@ class AsyncEngine:
 
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, prompt, params = cmd
+            _, rid, prompt, params, arrival = cmd
             try:
-                self.engine.add_request(rid, prompt, params, arrival_time=time.time())
+                self.engine.add_request(rid, prompt, params, arrival_time=arrival)
             except Exception as e:  # noqa: BLE001 - the caller gets the engine's own error
                 self._deliver(rid, e)
         elif cmd[0] == "abort":

@@ -30,6 +30,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                     help="plan each step while the device runs the one before; every token "
                          "streams as it is read (no decode windows)")
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                    help="the most tokens of one prompt a step prefills (0 = no cap): a long "
+                         "prompt then shares steps with running decodes")
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-pending", type=int, default=256,
@@ -65,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
               dtype=a.dtype, seed=a.seed, preemption_mode=a.preemption_mode,
               decode_window=a.decode_window, attention_backend=a.attention_backend,
               enable_prefix_caching=a.enable_prefix_caching, swap_space=a.swap_space,
-              kv_cache_dtype=a.kv_cache_dtype, async_scheduling=a.async_scheduling)
+              kv_cache_dtype=a.kv_cache_dtype, async_scheduling=a.async_scheduling,
+              long_prefill_token_threshold=a.long_prefill_token_threshold)
     name = a.served_model_name or default_name(a.model)
     if a.strong_model is None:
         app = build_app(LLM(a.model, **kw), name, a.max_pending)

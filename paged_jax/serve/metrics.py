@@ -49,6 +49,12 @@ class ServerMetrics:
                               "Mean time per output token after the first", buckets=_TPOT, **lab)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency",
                              buckets=_LATENCY, **lab)
+        # TTFT split as vLLM splits it: waiting for a first step, then prefill to first token
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Arrival to first scheduled step", buckets=_LATENCY, **lab)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds",
+                                      "First scheduled step to first token", buckets=_LATENCY,
+                                      **lab)
         self.routed = Counter("paged_jax:routed_requests",
                               'Requests of the "auto" model, by the model that served them',
                               labelnames=["model_name", "routed_to"], registry=r)
@@ -89,6 +95,9 @@ class ServerMetrics:
         if t is None or t.first_token_time is None:
             return
         self.ttft.labels(m).observe(t.first_token_time - t.arrival_time)
+        if t.first_scheduled_time is not None:
+            self.queue_time.labels(m).observe(t.first_scheduled_time - t.arrival_time)
+            self.prefill_time.labels(m).observe(t.first_token_time - t.first_scheduled_time)
         end = t.finished_time or t.last_token_time or t.first_token_time
         self.e2e.labels(m).observe(end - t.arrival_time)
         longest = max(len(c.token_ids) for c in out.outputs)
