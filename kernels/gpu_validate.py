@@ -54,6 +54,7 @@ def validate() -> list[dict]:
 def validate_window(key, nseq: int = 8, window: int = 40) -> list[dict]:
     """Gemma 3's local layers (4 query heads, 1 KV head, D = 256) with a sliding window over
     contexts up to 256 tokens: every decode and ragged variant against the reference."""
+    import jax
     import jax.numpy as jnp
 
     from kernels.paged_attention import decode_attention, random_decode_inputs
@@ -64,13 +65,16 @@ def validate_window(key, nseq: int = 8, window: int = 40) -> list[dict]:
     scale = d ** -0.5
     args = random_decode_inputs(key, nseq, nq, h, d, BLOCK, 16, jnp.float32)
     starts = jnp.arange(nseq + 1, dtype=jnp.int32)
-    ref = ragged_reference(*args, starts, max_q=1, scale=scale, window=window)
+    # jitted: run eagerly, the reference compiles op by op (slow in the interpreter's tests)
+    ref = jax.jit(functools.partial(ragged_reference, max_q=1, scale=scale, window=window))(
+        *args, starts)
     for variant in ("grouped", "dot", "split"):
         run = functools.partial(decode_attention, *args, variant=variant, num_splits=4,
                                 window=window)
         rows.append(_check("decode", variant, nq, h, d, f"f32 w{window}", run, ref, 2e-3))
     args = random_ragged_inputs(key, nseq, nq, h, d, BLOCK, 16, 16, jnp.float32)
-    ref = ragged_reference(*args, max_q=16, scale=scale, window=window)
+    ref = jax.jit(functools.partial(ragged_reference, max_q=16, scale=scale,
+                                    window=window))(*args)
     for variant in ("grouped", "dot"):
         run = functools.partial(ragged_paged_attention, *args, max_q=16, variant=variant,
                                 window=window)

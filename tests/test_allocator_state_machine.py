@@ -218,16 +218,21 @@ DeepAllocatorMachine.TestCase.settings = settings(AllocatorMachine.TestCase.sett
 TestDeepAllocatorMachine = DeepAllocatorMachine.TestCase
 
 
-def _over(name: str, rtol: float):
+def _over(name: str, rtol: float, examples: int):
     """The same machine on a bfloat16 / int8 / fp8 cache: values (and scales) must follow
-    their blocks through writes, forks and copy-on-write copies; fewer examples."""
-    cls = type(f"AllocatorMachine_{name}", (AllocatorMachine,),
+    their blocks through writes, forks and copy-on-write copies; fewer examples (the block
+    logic is the float32 machine's; the slow tier's `Deep` twins search longer)."""
+    cls = type(f"AllocatorMachine_{name}_{examples}", (AllocatorMachine,),
                dict(KV_DTYPE=kv_quant.storage_dtype(name, jnp.float32), RTOL=rtol))
-    cls.TestCase.settings = settings(AllocatorMachine.TestCase.settings, max_examples=30)
+    cls.TestCase.settings = settings(AllocatorMachine.TestCase.settings,
+                                     max_examples=examples)
     return cls.TestCase
 
 
 # bfloat16 keeps 8 significant bits, e4m3 4; int8 stores each one-value row as +-127 x scale.
-TestAllocatorMachineBfloat16 = _over("bfloat16", 2.0**-8)
-TestAllocatorMachineInt8 = _over("int8", 1e-6)
-TestAllocatorMachineFp8 = _over("fp8", 2.0**-4)
+TestAllocatorMachineBfloat16 = _over("bfloat16", 2.0**-8, 12)
+TestAllocatorMachineInt8 = _over("int8", 1e-6, 12)
+TestAllocatorMachineFp8 = _over("fp8", 2.0**-4, 12)
+TestDeepAllocatorMachineBfloat16 = _over("bfloat16", 2.0**-8, 40)
+TestDeepAllocatorMachineInt8 = _over("int8", 1e-6, 40)
+TestDeepAllocatorMachineFp8 = _over("fp8", 2.0**-4, 40)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -61,8 +64,10 @@ def test_query_tiles_match_naive(batch, tile, rows):
     old = reference.QUERY_TILE
     reference.QUERY_TILE = tile
     try:
-        got = paged_attention(*(jnp.asarray(x) for x in (q, k, v, tables, lens, qs)),
-                              max_q=MAX_Q, scale=0.3, max_q_rows=rows)
+        # one jitted program per example (eager ops would compile dozens of small ones)
+        got = jax.jit(functools.partial(paged_attention, max_q=MAX_Q, scale=0.3,
+                                        max_q_rows=rows))(*(jnp.asarray(x) for x in
+                                                            (q, k, v, tables, lens, qs)))
     finally:
         reference.QUERY_TILE = old
     np.testing.assert_allclose(np.asarray(got), naive(q, k, v, tables, lens, qs, 0.3),

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kernels import dispatch
 from paged_jax.models.attention import cpu_kernel_available, paged_attention
-from tests.attention_helpers import naive
+from tests.attention_helpers import jitted, naive
 from tests.test_attention import MAX_Q, K, P, batches
 
 SCALE = 0.3
@@ -39,8 +39,8 @@ def test_reference_window(batch, window, rows):
     """Both reference paths: query tiles (prefill rows) and the flat decode list."""
     if rows is not None:
         batch = _decode_only(batch)
-    got = paged_attention(*(jnp.asarray(x) for x in batch), max_q=MAX_Q, scale=SCALE,
-                          max_q_rows=rows, window=window)
+    got = jitted(paged_attention, max_q=MAX_Q, scale=SCALE, max_q_rows=rows, window=window)(
+        *(jnp.asarray(x) for x in batch))
     _check(got, batch, window)
 
 

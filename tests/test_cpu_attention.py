@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kernels import cpu_attention
 from paged_jax.models.attention import cpu_kernel_available, default_backend, paged_attention
-from tests.attention_helpers import naive
+from tests.attention_helpers import jitted, naive
 from tests.engine_helpers import GREEDY, engine, prompts, run, tokens
 
 pytestmark = pytest.mark.skipif(not cpu_kernel_available(),
@@ -105,11 +105,12 @@ def quantized_pages_match(batch, name):
     dt = kv_quant.storage_dtype(name, jnp.float32)
     pages = []
     for x in (k, v):
-        vals, scale = kv_quant.quantize(jnp.asarray(np.nan_to_num(x)), dt, group=x.shape[-1] // 2)
+        vals, scale = jitted(kv_quant.quantize, dtype=dt, group=x.shape[-1] // 2)(
+            jnp.asarray(np.nan_to_num(x)))
         pages.append((vals, jnp.where(jnp.isnan(x).any(-1)[..., None], jnp.nan, scale)))
     args = (jnp.asarray(q), *pages, *map(jnp.asarray, (tables, lens, qs)))
     got = np.asarray(cpu_attention.paged_attention(*args, scale=0.3))
-    ref = np.asarray(paged_attention(*args, max_q=8, backend="reference", scale=0.3))
+    ref = np.asarray(jitted(paged_attention, max_q=8, backend="reference", scale=0.3)(*args))
     assert np.all(np.isfinite(got)), "a NaN from a free block leaked"
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from kernels.paged_attention import DOT_MIN, decode_attention, decode_reference
 from kernels.ragged_paged_attention import ragged_paged_attention, ragged_reference
+from tests.attention_helpers import jitted
 
 TOL = {"float32": 2e-5, "bfloat16": 3e-2}
 
@@ -75,7 +76,7 @@ DEEP = settings(SETTINGS, max_examples=12)
 
 def ragged_matches(pr):
     batch = build(pr)
-    ref = ragged_reference(*batch, max_q=pr["max_q"])
+    ref = jitted(ragged_reference, max_q=pr["max_q"])(*batch)
     for variant in ("grouped", "dot") if pr["block"] >= DOT_MIN else ("grouped",):
         close(ragged_paged_attention(*batch, max_q=pr["max_q"], variant=variant), ref,
               pr["dtype"])
@@ -84,7 +85,7 @@ def ragged_matches(pr):
 def decode_matches(pr):
     q, k, v, tables, lens, qs = build(pr)
     args = (q[qs[:-1]], k, v, tables, lens)  # one query per sequence: its first
-    ref = decode_reference(*args)
+    ref = jitted(decode_reference)(*args)
     variants = ["grouped", "split"] + (["dot"] if pr["block"] >= DOT_MIN else [])
     for variant in variants:
         close(decode_attention(*args, variant=variant, num_splits=2), ref, pr["dtype"])

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from paged_jax.cache import kv_quant as kq
+from tests.attention_helpers import jitted
 
 
 def test_dtype_names():
@@ -34,10 +35,10 @@ rows = arrays(np.float32, st.tuples(st.integers(1, 6), st.sampled_from([1, 8, 12
 @given(x=rows, name=st.sampled_from(["int8", "fp8", "fp8_e5m2"]))
 def test_roundtrip_error_is_bounded_per_group(x, name):
     dt = kq.storage_dtype(name, jnp.float32)
-    q, scale = kq.quantize(jnp.asarray(x), dt)
+    q, scale = jitted(kq.quantize, dtype=dt)(jnp.asarray(x))
     group = kq.group_size(x.shape[-1])
     assert scale.shape == (x.shape[0], x.shape[1] // group) and group <= kq.GROUP
-    back = np.asarray(kq.dequantize(q, scale))
+    back = np.asarray(jitted(kq.dequantize)(q, scale))
     # each group's own range: a loud group does not coarsen its quiet neighbours
     amax = np.repeat(np.abs(x).reshape(x.shape[0], -1, group).max(-1), group, axis=-1)
     assert np.all(np.isfinite(back))
