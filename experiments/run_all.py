@@ -18,6 +18,7 @@ from experiments import (
     block_size,
     kv_quantization,
     latency_vs_rate,
+    long_prompt,
     memory_breakdown,
     preemption,
     routing,
@@ -45,6 +46,7 @@ FULL = [
     (scaling, dict(argv=[])),
     (bench, dict(argv=[])),
     (async_scheduling, dict(argv=[])),
+    (long_prompt, dict(argv=[])),
     (bench_serving, dict(argv=["--requests", "32", "--rates", "1", "2", "inf", "--offline"]
                           + (["--vllm-python", str(VLLM)] if VLLM.exists() else []))),
     (test_times, dict(argv=[])),  # `make test` cold and warm, last: it runs the suite twice

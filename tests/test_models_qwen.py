@@ -1,0 +1,114 @@
+"""Qwen2.5-Coder-0.5B / 1.5B Instruct (Q4_K_M GGUFs joined from PyPI part wheels): our decoder
+against transformers loading the same file, fp32: chat prompts and a long prompt, teacher
+forced (one HF forward over prompt + our tokens gives the logits HF's greedy loop would see).
+
+The 0.5B comes with `make setup`; the 1.5B with `make models` (its tests say so when it is
+missing)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # transformers needs it to load GGUF files
+
+from paged_jax.models import load_model  # noqa: E402
+from paged_jax.models.loader import model_path  # noqa: E402
+from paged_jax.models.reference_loop import greedy, paged_loop  # noqa: E402
+
+pytestmark = pytest.mark.slow
+PROMPTS = [
+    "Write a Python function that reverses a string.",
+    "What does `len([1, 2, 3])` return?",
+    "Explain recursion in one sentence.",
+    "Fix the bug: `def add(a, b): return a - b`",
+    "What is 17 times 3?",
+    "Name three sorting algorithms.",
+    "Write a SQL query that counts the rows of a table named users.",
+    "What is the capital of France?",
+]
+MAX_TOKENS = 24
+LONG_TOKENS = 8
+LOGIT_ATOL = 5e-3  # logits reach ~30 over 24-28 layers in fp32
+
+
+def _available(name: str) -> str:
+    try:
+        return str(model_path(name))
+    except FileNotFoundError as err:  # the 1.5B: `make models` installs it
+        pytest.skip(str(err))
+
+
+@pytest.fixture(scope="module", params=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+def pair(request):
+    """(our (config, params, tokenizer), transformers' model) for one of the two models."""
+    path = _available(request.param)
+    ours = load_model(request.param)
+    torch.set_num_threads(os.cpu_count() or 1)
+    folder, name = os.path.split(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                           dtype=torch.float32).eval()
+    return request.param, ours, hf
+
+
+def teacher_forced(hf, prompts: list[list[int]], gen: list[list[int]], n: int) -> np.ndarray:
+    seqs = [p + g[:-1] for p, g in zip(prompts, gen, strict=True)]
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    with torch.no_grad():
+        logits = hf(input_ids=ids, attention_mask=mask).logits.numpy()
+    return np.stack([logits[i, len(p) - 1: len(p) - 1 + n] for i, p in enumerate(prompts)])
+
+
+def check(name: str, ours: np.ndarray, want: np.ndarray, gen: list[list[int]]) -> None:
+    """Logits within LOGIT_ATOL; the same argmax wherever HF's top two differ by more than
+    twice the logit error (a closer pair is a tie either side may break)."""
+    diff = np.abs(ours - want).max()
+    print(f"\n{name}: max |logit diff| vs transformers {diff:.2e}")
+    assert diff < LOGIT_ATOL
+    top2 = np.sort(want, -1)[..., -2:]
+    clear = top2[..., 1] - top2[..., 0] > 2 * diff
+    same = want.argmax(-1) == np.array(gen)
+    assert np.all(same | ~clear), f"{(~same & clear).sum()} clear argmax differences"
+
+
+def test_chat_prompts_match_transformers(pair):
+    name, (config, params, tok), hf = pair
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}],
+                                                  add_generation_prompt=True)) for p in PROMPTS]
+    runner = paged_loop(config, params, len(prompts), max(map(len, prompts)) + MAX_TOKENS,
+                        shuffle_seed=0)
+    gen, logits = greedy(runner, prompts, MAX_TOKENS)
+    check(name, np.stack(logits, axis=1), teacher_forced(hf, prompts, gen, MAX_TOKENS), gen)
+    assert all(tok.decode(g).strip() for g in gen)
+
+
+def test_a_long_prompt_matches_transformers(pair):
+    """~1,500 tokens of code in one prompt: positions far past the chat prompts' (RoPE, the
+    prefill's query tiles)."""
+    name, (config, params, tok), hf = pair
+    code = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(90))
+    msg = [{"role": "user", "content": f"{code}\nWhat does f42(2) return?"}]
+    prompts = [tok.encode(tok.apply_chat_template(msg, add_generation_prompt=True))]
+    assert len(prompts[0]) > 1200
+    runner = paged_loop(config, params, 1, len(prompts[0]) + LONG_TOKENS, shuffle_seed=1)
+    gen, logits = greedy(runner, prompts, LONG_TOKENS)
+    check(name, np.stack(logits, axis=1), teacher_forced(hf, prompts, gen, LONG_TOKENS), gen)
+
+
+def test_tokenizer_stops_and_chat_template(pair):
+    _, (config, _, tok), _ = pair
+    assert set(tok.eos_token_ids) >= {151645, 151643}
+    assert config.vocab_size == 151936 and config.attention_bias and config.tie_word_embeddings
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}],
+                                   add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\n") and text.endswith(
+        "<|im_start|>assistant\n")
+    assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
