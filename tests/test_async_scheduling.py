@@ -140,7 +140,10 @@ def test_a_long_prompt_shares_every_step_with_the_decodes():
         eng.add_request(*r)
     seen, done, arrived = {}, {}, None
     while eng.has_unfinished():
-        for out in eng.step():
+        outs = eng.step()
+        if arrived is not None and seen.get("L", 0) == 0:  # every unfinished short is there
+            assert {o.request_id for o in outs} >= {r for r, _, _ in reqs if r not in done}
+        for out in outs:
             n = len(out.outputs[0].token_ids)
             if arrived is not None and out.request_id != "L" and seen.get("L", 0) == 0:
                 # the long prompt prefills: every short request moves by one token
@@ -154,3 +157,12 @@ def test_a_long_prompt_shares_every_step_with_the_decodes():
     same(ref, done)
     assert max(s.num_tokens for s in steps[arrived:]) <= 6 + 16
     assert eng.scheduler.num_preempted == 0 and all_free(eng)
+
+
+@pytest.mark.parametrize("cap, async_", [(1, False), (5, True)])
+def test_a_prefill_cap_gives_the_same_tokens(cap, async_):
+    """One-token prefill chunks must not run as decode windows (sync, windows on)."""
+    reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(8))]
+    eng = engine(long_prefill_token_threshold=cap, async_scheduling=async_)
+    same(run(engine(), reqs), run(eng, reqs))
+    assert all_free(eng)

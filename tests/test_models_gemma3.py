@@ -106,7 +106,7 @@ def test_tokenizer_matches_transformers(ours):
         ids = tok.encode(text)
         assert ids == ref(text).input_ids, text
         assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
-    assert tok.bos_token_id == 2 and tok.eos_token_ids == (1,)
+    assert tok.bos_token_id == 2 and tok.eos_token_ids == (1, 106)  # <eos>, <end_of_turn>
 
 
 def test_chat_needs_a_template(ours):

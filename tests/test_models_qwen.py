@@ -105,7 +105,9 @@ def test_a_long_prompt_matches_transformers(pair):
 
 def test_tokenizer_stops_and_chat_template(pair):
     _, (config, _, tok), _ = pair
-    assert set(tok.eos_token_ids) >= {151645, 151643}
+    # <|im_end|> (the file's eos) and <|endoftext|> (an end-of-generation control token)
+    assert tok.eos_token_ids[0] == 151645 and set(tok.eos_token_ids) >= {151645, 151643}
+    assert set(config.eos_token_ids) >= {151645, 151643}
     assert config.vocab_size == 151936 and config.attention_bias and config.tie_word_embeddings
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}],
                                    add_generation_prompt=True)

@@ -113,7 +113,8 @@ def test_tokenizer_and_chat_template(loaded):
     assert ids[0] == 1 and ids.count(2) == 2  # <|im_start|>, <|im_end|> are single tokens
     assert tok.decode(ids, skip_special_tokens=False) == text
     assert len(tok.encode("2026")) == 4  # SmolLM splits digits one by one
-    assert tok.eos_token_ids == (2,) and tok.bos_token_id == 1
+    # <|im_end|>, then <|endoftext|>: a control token that ends generation (llama.cpp's rule)
+    assert tok.eos_token_ids == (2, 0) and tok.bos_token_id == 1
 
 
 def test_bad_words_ban_single_token_words(loaded):

@@ -91,6 +91,19 @@ def test_a_long_prefill_takes_at_most_the_threshold_per_step():
     assert plan_of(uncapped.schedule()) == [("old", 1), ("pre", 8), ("new", 7)]
 
 
+def test_a_one_token_prefill_chunk_never_runs_as_a_decode_window():
+    """With a cap of 1 every prefill chunk is one token, like a decode; a window over it
+    would sample from a half-read prompt."""
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, block_size=K,
+                          decode_window=8, long_prefill_token_threshold=1)
+    sch = Scheduler(cfg, kv_manager(num_blocks=20))
+    old, pre = request("old", 5), request("pre", 12)
+    run_until(sch, old, 5, extra_tokens=1)
+    run_until(sch, pre, 4)
+    plan = sch.schedule()
+    assert plan_of(plan) == [("old", 1), ("pre", 1)] and not plan.window
+
+
 def test_admission_stops_at_the_first_request_that_does_not_fit():
     sch = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=K),
                     kv_manager(num_blocks=5))  # 4 usable blocks

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import sys
 
 import pytest
 
@@ -52,9 +51,14 @@ def test_parts_join_in_order_once(fake_parts, tmp_path, monkeypatch):
     assert shipped.assemble(fake_parts, tmp_path / "models") == out
 
 
+def test_a_rewritten_file_is_checked_again(fake_parts, tmp_path):
+    out = shipped.assemble(fake_parts, tmp_path / "models")
+    out.write_bytes(b"not the model" + out.read_bytes()[13:])  # same size, new mtime
+    assert shipped.assemble(fake_parts, tmp_path / "models").read_bytes() == b"".join(PARTS)
+
+
 def test_a_corrupted_part_is_refused_and_nothing_is_left(fake_parts, tmp_path):
-    site = next(p for p in map(str, sys.path) if p.endswith("site"))
-    with open(f"{site}/fakemodel_part2/data/part02.bin", "r+b") as f:
+    with open(tmp_path / "site" / "fakemodel_part2" / "data" / "part02.bin", "r+b") as f:
         f.write(b"X")
     with pytest.raises(ValueError, match="RECORD"):
         shipped.assemble(fake_parts, tmp_path / "models")

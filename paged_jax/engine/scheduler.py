@@ -170,7 +170,7 @@ class Scheduler:
         prefill chunk, the long-prefill cap."""
         cap = self.config.long_prefill_token_threshold
         n = min(seq.num_pending, budget)
-        return min(n, cap) if cap and n > 1 else n
+        return cap if 0 < cap < n else n
 
     def _finish_plan(self, plan: Plan) -> None:
         """Room for the plan (evictions), its admissions and the queued ops."""
@@ -195,9 +195,10 @@ class Scheduler:
                 or not plan.decode_only or plan.admitted):
             return False
         for s, _ in plan.chunks:
-            # going live, or a one-token prompt that must fork or asks for its hidden state
-            # (a window returns neither)
-            if not self.kv.slot_live[s.slot] or s.wants_hidden(1) or (
+            # a one-token prefill chunk (budget or long-prefill cap) is not a decode; going
+            # live, or a one-token prompt that must fork or asks for its hidden state (a
+            # window returns neither)
+            if s.num_pending != 1 or not self.kv.slot_live[s.slot] or s.wants_hidden(1) or (
                     s.owner.params.n > 1 and not s.owner.forked):
                 return False
         return not self._can_admit()

