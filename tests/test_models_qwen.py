@@ -7,6 +7,7 @@ missing)."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -49,6 +50,7 @@ def _available(name: str) -> str:
 def pair(request):
     """(our (config, params, tokenizer), transformers' model) for one of the two models."""
     path = _available(request.param)
+    gc.collect()  # the other model's pair (both are several GB in fp32 on a 24 GB machine)
     ours = load_model(request.param)
     torch.set_num_threads(os.cpu_count() or 1)
     folder, name = os.path.split(path)
@@ -58,13 +60,13 @@ def pair(request):
 
 
 def teacher_forced(hf, prompts: list[list[int]], gen: list[list[int]], n: int) -> np.ndarray:
-    seqs = [p + g[:-1] for p, g in zip(prompts, gen, strict=True)]
-    width = max(map(len, seqs))
-    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-    with torch.no_grad():
-        logits = hf(input_ids=ids, attention_mask=mask).logits.numpy()
-    return np.stack([logits[i, len(p) - 1: len(p) - 1 + n] for i, p in enumerate(prompts)])
+    """One sequence at a time (a batch's [S, T, 151936] logits is GBs in fp32)."""
+    out = []
+    for p, g in zip(prompts, gen, strict=True):
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([p + g[:-1]])).logits[0].numpy()
+        out.append(logits[len(p) - 1: len(p) - 1 + n])
+    return np.stack(out)
 
 
 def check(name: str, ours: np.ndarray, want: np.ndarray, gen: list[list[int]]) -> None:
