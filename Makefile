@@ -37,8 +37,9 @@ models: $(STAMP)
 
 # `make test`: every layer on tiny models (what a newcomer runs); `make test-slow`: real
 # models, Pallas engine paths in the interpreter, notebooks, experiments, several devices or
-# processes (tests/conftest.py lists them). CI runs both (.ci/run).
-PYTEST := $(VPY) -m pytest -q -n 2 --dist loadgroup --durations=15
+# processes (tests/conftest.py lists them). CI runs both (.ci/run). A worker that dies (out of
+# memory, say) ends the run with that test named, instead of xdist replacing it and hanging.
+PYTEST := $(VPY) -m pytest -q -n 2 --dist loadgroup --max-worker-restart=0 --durations=15
 
 test: lint
 	$(PYTEST) -m "not slow"

@@ -2,24 +2,32 @@
 
     python -m experiments.routing [--quick]
 
-Weak model SmolLM2-135M-Instruct, strong model Gemma 3 270M (base); both answer the same
-few-shot questions (paged_jax/routing/tasks.py). From one labelled run (routing/train.py):
-Open questions ("define") are labelled by each model's likelihood of a reference answer.
-1. per held-out split (random 30%, and two task families never seen in training): the curve
-   of quality vs strong share for the trained router, random routing, the oracle, and the
-   always-weak / always-strong points; the share of the weak-to-strong gap recovered at a 50%
-   strong share; the cost saved at 95% of the strong model's quality (costs per request
-   measured from the two engines in this run); and (not with --quick) every family held out
-   once in turn, the head's inputs chosen and the head trained on the others only;
+Weak model Qwen2.5-Coder-0.5B-Instruct, strong model Qwen2.5-Coder-1.5B-Instruct (`make
+models`); both answer the same few-shot questions, general and code (paged_jax/routing/
+tasks.py, code_tasks.py). From one labelled run (routing/train.py); open questions ("define")
+are labelled by each model's likelihood of a reference answer.
+1. per held-out split (random 30%, and the two task families train.PAIRS holds out, chosen
+   before any answer of the pair was seen): the curve of quality vs strong share for the
+   trained router, random routing, the oracle, and the always-weak / always-strong points,
+   each with a bootstrap 95% interval (held-out requests resampled); the share of the
+   weak-to-strong gap recovered at a 50% strong share; the cost saved at 95% of the strong
+   model's quality (costs per request measured from the two engines in this run, and modeled
+   on the paper's GPU); and (with --sweep: ~2,000 head fits, most of an hour here) every
+   family held out once in turn, the head's inputs chosen and the head trained on the
+   others only;
 2. the router end to end (RoutedLLM at a 50% share on fresh questions): every request served
    once, each output equal to what its model gives alone, and the router's own overhead per
-   request against a weak-model request's latency.
-Writes results/routing.json (+ .png); `--quick` uses 168 questions.
+   request against a weak-model request's latency; then the same questions all at once
+   through the server's "auto" model (both models loaded): none lost;
+3. the issue's targets, each with what it was measured against.
+Writes results/routing.json (+ .png) and, not with --quick, the pair's shipped head
+(routing/trained/<weak>+<strong>); `--quick` uses 168 questions.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
 
 import numpy as np
@@ -31,29 +39,38 @@ from paged_jax.routing import curves as cv
 from paged_jax.routing import features as feat
 from paged_jax.routing import train as tr
 from paged_jax.routing.router import RoutedLLM
-from paged_jax.routing.tasks import make_items
+from paged_jax.serve.api import build_app
+from paged_jax.serve.background import Server
 
 POLICIES = ("router", "random", "weak", "strong", "oracle")
 
 
-def split_results(data: dict, items) -> dict:
-    """Curves, gap recovered and cost saved on each split's held-out part."""
+def split_results(data: dict, items, boot: int = 1000) -> dict:
+    """Curves (with bootstrap 95% intervals), gap recovered and cost saved on each split's
+    held-out part; whether the router beats random at each interior share by more than the
+    half-width of its own interval at 50%."""
     out = {}
-    cost = data["cost"]
-    for name, (_, te) in tr.splits(items).items():
+    models = data.get("models", tr.MODELS)
+    clocks = {clock: (c[models[0]], c[models[1]], c["probe"])
+              for clock, c in data["cost"].items() if clock != "output_tokens"}
+    for name, (_, te) in tr.splits(items, models).items():
         head, y = data["heads"][name], data["y"][te]
         scores = head.gain(data["x"][te])
         c = cv.curves(y, scores)
+        ci = cv.bootstrap(y, scores, clocks, n=boot)
         acc_w, acc_s = y.mean(0)
+        half50 = (ci["router"][5][1] - ci["router"][5][0]) / 2  # SHARES[5] = 0.5
+        over = [r["quality"] - q["quality"] for r, q in
+                zip(c["router"][1:-1], c["random"][1:-1], strict=True)]
         out[name] = dict(
-            curves=c, test=len(te), accuracy=dict(weak=float(acc_w), strong=float(acc_s)),
+            curves=c, interval_95=ci, test=len(te),
+            accuracy=dict(weak=float(acc_w), strong=float(acc_s)),
             gap_recovered_at_50=cv.gap_recovered(c["router"], acc_w, acc_s, 0.5),
-            beats_random_everywhere=all(
-                r["quality"] >= q["quality"] - 1e-9 for r, q in
-                zip(c["router"][1:-1], c["random"][1:-1], strict=True)),
-            cost_saved_at_95={clock: cv.cost_saved_at(y, scores, c[tr.MODELS[0]],
-                                                      c[tr.MODELS[1]], c["probe"])
-                              for clock, c in cost.items() if clock != "output_tokens"},
+            beats_random_everywhere=all(d >= -1e-9 for d in over),
+            over_random=over, half_interval_at_50=half50,
+            shares_beating_random_by_more=int(sum(d > half50 for d in over)),
+            cost_saved_at_95={clock: cv.cost_saved_at(y, scores, *v)
+                              for clock, v in clocks.items()},
             ece=head.metrics["ece"], inputs=head.metrics["inputs"],
             candidates=head.metrics["candidates"])
     return out
@@ -80,8 +97,9 @@ def family_sweep(data: dict, items) -> dict:
 
 
 def end_to_end(weak: LLM, strong: LLM, head, n: int) -> dict:
-    """RoutedLLM on n fresh questions: outputs vs each model alone, and its overhead."""
-    items = make_items(n, seed=1)
+    """RoutedLLM on n fresh questions: outputs vs each model alone, its overhead, and the
+    same questions through the server's "auto" model."""
+    items = tr.pair_items(n, seed=1)
     prompts = [it.prompt for it in items]
     sp = SamplingParams(temperature=0.0, max_tokens=tr.MAX_TOKENS, stop=["\n"])
     router = RoutedLLM(weak, strong, head, strong_share=0.5, names=tr.MODELS)
@@ -91,12 +109,41 @@ def end_to_end(weak: LLM, strong: LLM, head, n: int) -> dict:
     same = sum(o.outputs[0].token_ids == alone[o.model][i].outputs[0].token_ids
                for i, o in enumerate(routed))
     lat = overhead(weak, router, prompts[:8], sp)
-    return dict(requests=n, served=len(routed), identical_to_own_model=int(same),
+    served = served_auto(router, prompts, {o.prompt: (o.model, o.outputs[0].text)
+                                           for o in routed})
+    return dict(requests=n, served=len(routed), identical_to_own_model=int(same), server=served,
                 strong_share=float(np.mean([o.model == tr.MODELS[1] for o in routed])),
                 quality=float(np.mean([it.correct(o.outputs[0].text)  # checked items only
                                        for it, o in zip(items, routed, strict=True)
                                        if not it.open])),
                 **lat)
+
+
+def served_auto(router: RoutedLLM, prompts: list[str], offline: dict) -> dict:
+    """All prompts at once through the server's "auto" model (an HTTP server in this
+    process): answered, lost (an error or no answer), and answered as RoutedLLM did offline
+    (same model, same text)."""
+    import httpx
+
+    async def ask(client: httpx.AsyncClient, prompt: str):
+        try:
+            r = await client.post("/v1/completions", json=dict(
+                model="auto", prompt=prompt, temperature=0.0, max_tokens=tr.MAX_TOKENS,
+                stop=["\n"]))
+            body = r.json()
+            return (body["model"], body["choices"][0]["text"]) if r.status_code == 200 else None
+        except (httpx.HTTPError, KeyError, ValueError):
+            return None
+
+    async def all_at_once(url: str):
+        async with httpx.AsyncClient(base_url=url, timeout=1800) as client:
+            return await asyncio.gather(*(ask(client, p) for p in prompts))
+
+    with Server(build_app(router)) as srv:
+        answers = asyncio.run(all_at_once(srv.url))
+    return dict(requests=len(prompts), answered=sum(a is not None for a in answers),
+                lost=sum(a is None for a in answers),
+                as_offline=sum(a == offline[p] for p, a in zip(prompts, answers, strict=True)))
 
 
 def overhead(weak: LLM, router: RoutedLLM, prompts: list[str], sp) -> dict:
@@ -158,25 +205,39 @@ def plot(res: dict, name: str):
 
 def main(argv: list[str] | None = None, name: str = "routing") -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="168 questions (under 10 minutes)")
-    quick = ap.parse_args(argv).quick
-    items = make_items(168 if quick else 840, seed=0)
+    ap.add_argument("--quick", action="store_true", help="168 questions")
+    ap.add_argument("--items", type=int, default=840)
+    ap.add_argument("--sweep", action="store_true", help="hold out each family in turn")
+    ap.add_argument("--end-to-end", type=int, default=64, help="fresh questions routed")
+    ap.add_argument("--balance-requests", type=int, default=300)
+    args = ap.parse_args(argv)
+    quick = args.quick
+    items = tr.pair_items(168 if quick else args.items)
     weak, strong = (LLM(m, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=512)
                     for m in tr.MODELS)
     data = tr.build(weak, strong, items)
     res = dict(models=dict(weak=tr.MODELS[0], strong=tr.MODELS[1]), items=len(items),
+               families=list(tr.PAIRS[tr.MODELS][0]),
+               held_out_families=dict(
+                   families=list(tr.PAIRS[tr.MODELS][1]),
+                   chosen="before any answer of this pair was seen (train.PAIRS)"),
                accuracy=data["accuracy"], cost=data["cost"],
+               accuracy_by_family=by_family(data["y"], items),
                features=[*feat.NAMES, "hidden state"],
                open={k: v for k, v in data["open"].items() if k not in ("index", "scores")})
+    if not quick:
+        res["shipped_head"] = str(tr.save(data, items))
     res["splits"] = split_results(data, items)
     res.update({p: res["splits"]["random"]["curves"][p] for p in POLICIES})
-    res["family_sweep"] = None if quick else family_sweep(data, items)
+    res["family_sweep"] = family_sweep(data, items) if args.sweep else None
     saved = res["splits"]["random"]["cost_saved_at_95"]
     res["cost_saved_at_95"] = saved["measured_cpu"]["cost_saved"]  # this machine's clock
     res["cost_saved_at_95_modeled_gpu"] = saved["modeled_gpu"]["cost_saved"]
-    res["end_to_end"] = end_to_end(weak, strong, data["heads"]["random"], 24 if quick else 64)
+    res["end_to_end"] = end_to_end(weak, strong, data["heads"]["random"],
+                                   24 if quick else args.end_to_end)
     del weak, strong
-    res["balance"] = balance.panel(requests=150 if quick else 300)
+    res["targets"] = targets(res)
+    res["balance"] = balance.panel(requests=150 if quick else args.balance_requests)
     res["balance_checks"] = balance_checks(res["balance"])
     res["png"] = str(plot(res, name))
     res["json"] = str(save_json(name, res))
@@ -184,20 +245,52 @@ def main(argv: list[str] | None = None, name: str = "routing") -> dict:
     return res
 
 
+def by_family(y: np.ndarray, items) -> list[dict]:
+    """Each family's accuracy per model (all its items)."""
+    fam = np.array([it.family for it in items])
+    return [dict(family=str(f), items=int((fam == f).sum()), weak=float(y[fam == f, 0].mean()),
+                 strong=float(y[fam == f, 1].mean())) for f in dict.fromkeys(fam)]
+
+
+def targets(res: dict) -> dict:
+    """The issue's targets (#32) against this run: each value, its bar, and whether it is met."""
+    acc = list(res["accuracy"].values())
+    r, f = res["splits"]["random"], res["splits"]["family"]
+    e2e = res["end_to_end"]
+    rows = dict(
+        strong_minus_weak=(acc[1] - acc[0], ">= 0.15"),
+        cost_saved_at_95_modeled_gpu=(res["cost_saved_at_95_modeled_gpu"], ">= 0.40"),
+        cost_saved_at_95_measured_cpu=(res["cost_saved_at_95"], ">= 0.25"),
+        random_split_shares_beating_random=(r["shares_beating_random_by_more"], ">= 9 of 9"),
+        family_split_shares_beating_random=(f["shares_beating_random_by_more"], ">= 7 of 9"),
+        routing_overhead=(e2e["overhead"], "< 0.05"),
+        lost_through_server_auto=(e2e["server"]["lost"], "== 0"),
+    )
+    bars = dict(strong_minus_weak=lambda v: v >= 0.15,
+                cost_saved_at_95_modeled_gpu=lambda v: v >= 0.40,
+                cost_saved_at_95_measured_cpu=lambda v: v >= 0.25,
+                random_split_shares_beating_random=lambda v: v >= 9,
+                family_split_shares_beating_random=lambda v: v >= 7,
+                routing_overhead=lambda v: v < 0.05, lost_through_server_auto=lambda v: v == 0)
+    return {k: dict(value=v, bar=bar, met=bool(bars[k](v))) for k, (v, bar) in rows.items()}
+
+
 def show(res: dict) -> None:
     print(f"accuracy: {res['accuracy']}  cost: {res['cost']}")
+    print(table(res["accuracy_by_family"], ["family", "items", "weak", "strong"]))
     print(f"open questions (labelled by the reference's likelihood): {res['open']}")
     for split, r in res["splits"].items():
-        rows = [dict(share=p["strong_share"], router=p["quality"], random=q["quality"],
-                     oracle=o["quality"]) for p, q, o in zip(
-                         r["curves"]["router"], r["curves"]["random"], r["curves"]["oracle"],
-                         strict=True)]
+        rows = [dict(share=p["strong_share"], router=p["quality"],
+                     router_95=f"{lo:.3f}-{hi:.3f}", random=q["quality"], oracle=o["quality"])
+                for p, q, o, (lo, hi) in zip(r["curves"]["router"], r["curves"]["random"],
+                                             r["curves"]["oracle"], r["interval_95"]["router"],
+                                             strict=True)]
         print(f"\n{split} split ({r['test']} held out), inputs {r['inputs']} chosen by "
               f"leave-one-family-out on its train part: {r['candidates']}")
         print(f"gap recovered at 50% "
               f"{r['gap_recovered_at_50']:.2f}, beats random everywhere "
               f"{r['beats_random_everywhere']}, at 95%: {r['cost_saved_at_95']}")
-        print(table(rows, ["share", "router", "random", "oracle"]))
+        print(table(rows, ["share", "router", "router_95", "random", "oracle"]))
     if res["family_sweep"]:
         sweep = res["family_sweep"]
         print(f"\neach family held out once: router - random {sweep['mean_over_random']:+.4f} "
@@ -205,6 +298,9 @@ def show(res: dict) -> None:
         print(table(sweep["families"], ["family", "inputs", "weak", "strong", "router_50",
                                         "random_50", "over_random"]))
     print("\nend to end:", res["end_to_end"])
+    print("\ntargets (#32):")
+    for k, t in res.get("targets", {}).items():
+        print(f"  {k}: {t['value']:.3f} (bar {t['bar']}): {'met' if t['met'] else 'NOT met'}")
     print("\nload balancing (modeled GPU clock)")
     print(table(res["balance"], ["replicas", "rate", "policy", "e2e_p50", "e2e_p99", "ttft_p99",
                                  "throughput", "prefix_hit_rate", "lost"]))

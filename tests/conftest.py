@@ -81,9 +81,22 @@ SLOW_TESTS = {
 }
 
 
+# Tests that hold a real model twice (ours and transformers', 3-8 GB each for the 0.5B and
+# 1.5B in fp32) run on one xdist worker, one at a time: two at once on the two workers took a
+# 24 GB machine out of memory, a worker was killed and xdist's scheduler then hung until CI's
+# time ran out. (Their modules' own groups are replaced by this one.)
+ONE_BIG_MODEL_AT_A_TIME = {
+    "test_models_qwen.py", "test_models_gemma3.py", "test_models_smollm2.py",
+    "test_experiments.py::test_bench_puts_every_side_on_the_same_rows",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into node ids
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.path.name
         names = {item.name, item.originalname, item.parent.name}  # parent: a test class
         if module in SLOW_MODULES or names & SLOW_TESTS.get(module, set()):
             item.add_marker(pytest.mark.slow)
+        if {module, f"{module}::{item.name}"} & ONE_BIG_MODEL_AT_A_TIME:
+            item.add_marker(pytest.mark.xdist_group("big_models"))

@@ -1,15 +1,10 @@
-"""A server on a free loopback port, in this process (uvicorn on a thread), for tests."""
+"""Tiny-model servers for the tests (serve/background.Server: in this process, a free port)."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
-import uvicorn
-
 from paged_jax.llm import LLM
 from paged_jax.serve.api import build_app
+from paged_jax.serve.background import Server
 from tests.engine_helpers import model
 
 MODEL = "tiny"
@@ -19,35 +14,6 @@ ENGINE = dict(block_size=8, num_kv_blocks=160, max_num_seqs=8, max_num_batched_t
 
 def tiny_llm(**overrides) -> LLM:
     return LLM(model_parts=model(), **{**ENGINE, **overrides})
-
-
-class Server:
-    """`with Server(app) as srv:` serves `app` at srv.url until the block ends."""
-
-    def __init__(self, app):
-        self.app = app
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs=dict(sockets=[self.sock]),
-                                       daemon=True)
-
-    def __enter__(self) -> Server:
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            if time.time() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the test server did not start")
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
-        assert not self.thread.is_alive(), "the server did not shut down"
 
 
 def serve(max_pending: int = 256, **overrides) -> Server:

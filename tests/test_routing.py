@@ -4,6 +4,7 @@ tiny models (each routed output must be what its model gives alone; nothing lost
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import numpy as np
@@ -16,6 +17,7 @@ from paged_jax.routing import features as feat
 from paged_jax.routing import head as head_lib
 from paged_jax.routing.router import RoutedLLM
 from paged_jax.routing.tasks import FAMILIES, make_item, make_items, table
+from paged_jax.routing.train import PAIRS
 from tests.routing_helpers import PROMPTS, SP, tiny_pair
 from tests.routing_helpers import top as _top
 
@@ -233,7 +235,7 @@ def test_build_labels_features_and_saves(pair, tmp_path, monkeypatch):
 
     weak, strong, _ = pair
     monkeypatch.setattr(train, "CANDIDATES", ((None, 0), (train.PROMPT_ONLY, 4)))
-    items = make_items(len(FAMILIES) * 6, seed=9)
+    items = train.pair_items(len(train.PAIRS[train.MODELS][0]) * 4, seed=9)
     data = train.build(weak, strong, items)
     width = len(feat.NAMES) + tiny_config().hidden_size  # named features, hidden state
     assert data["x"].shape == (len(items), width) and data["y"].shape == (len(items), 2)
@@ -247,11 +249,14 @@ def test_build_labels_features_and_saves(pair, tmp_path, monkeypatch):
     assert opened["index"] == [i for i, it in enumerate(items) if it.open] != []
     assert data["y"][opened["index"]].tolist() == lk.labels(np.array(opened["scores"]))[
         0].tolist()
+    held_out = set(train.PAIRS[train.MODELS][1])
     tr_, te = train.splits(items)["family"]
-    assert {items[i].family for i in te} == set(train.FAMILY_TEST)
-    assert not {items[i].family for i in tr_} & set(train.FAMILY_TEST)
+    assert {items[i].family for i in te} == held_out
+    assert not {items[i].family for i in tr_} & held_out
     assert set(data["cost"]["measured_cpu"]) == {*train.MODELS, "probe"}
-    train.save(data, items, tmp_path)
+    assert train.save(data, items, tmp_path) == tmp_path
+    assert json.loads((tmp_path / "metrics.json").read_text())["held_out_families"] == list(
+        train.PAIRS[train.MODELS][1])
     head = head_lib.load(tmp_path / "head")
     np.testing.assert_allclose(head.gain(data["x"]), data["heads"]["random"].gain(data["x"]))
     assert head.metrics["split"] == "random" and (tmp_path / "metrics.json").is_file()
@@ -285,20 +290,26 @@ def test_slo_mode_keeps_requests_off_a_backed_up_strong_model(pair):
         RoutedLLM(weak, strong, head, ttft_slo=0)
 
 
-def test_the_shipped_head_matches_the_features():
-    """paged_jax/routing/trained (committed; `python -m paged_jax.routing.train` rebuilds it)
-    loads, speaks the current feature names, and knows its training gains."""
+WEAK_HIDDEN = {"smollm2": 576, "qwen2.5-coder-0.5b": 896}  # the weak models' hidden sizes
+
+
+@pytest.mark.parametrize("pair_", list(PAIRS), ids="+".join)
+def test_the_shipped_heads_match_the_features(pair_):
+    """paged_jax/routing/trained/<weak>+<strong> (committed; `python -m paged_jax.routing.train
+    --weak W --strong S` rebuilds it) loads, speaks the current feature names, knows its
+    training gains and takes the weak model's hidden state."""
     from paged_jax.routing import train
 
-    head = head_lib.load()
+    head = head_lib.load(head_lib.pair_folder(*pair_) / "head")
     k = head.components.shape[1]
     assert head.names == feat.NAMES and head.metrics["inputs"].endswith(f"pca{k}")
+    assert head.metrics["models"] == list(pair_)
     assert head.params["w1"].shape[:2] == (train.MEMBERS, len(head.columns or feat.NAMES) + k)
     gains = head.metrics["train_gains"]
     assert len(gains) > 100 and gains == sorted(gains)
-    width = len(feat.NAMES) + 576  # SmolLM2-135M's hidden size
-    assert head.center.shape in ((0,), (576,))
-    p = head.predict(np.zeros((3, width), np.float32))
+    hidden = WEAK_HIDDEN[pair_[0]]
+    assert head.center.shape in ((0,), (hidden,))
+    p = head.predict(np.zeros((3, len(feat.NAMES) + hidden), np.float32))
     assert p.shape == (3, 2) and np.all((p > 0) & (p < 1))
 
 

@@ -66,7 +66,7 @@ def test_routing_experiment_tables_and_plot(tmp_path, monkeypatch):
     heads = {k: train.fit(x[tr], y[tr]) for k, (tr, _) in train.splits(items).items()}
     for h in heads.values():
         h.metrics = dict(ece=[0.0, 0.0], inputs="all+pca0", candidates={"all+pca0": 0.0})
-    clocks = {c: {"smollm2": 1.0, "gemma3": 2.0, "probe": 0.2}
+    clocks = {c: {train.MODELS[0]: 1.0, train.MODELS[1]: 2.0, "probe": 0.2}
               for c in ("measured_cpu", "modeled_gpu")}
     res = dict(splits=exp_routing.split_results(dict(x=x, y=y, heads=heads, cost=clocks), items))
     r = res["splits"]["random"]

@@ -34,6 +34,12 @@ import optax
 
 HIDDEN = 16
 TRAINED = Path(__file__).parent / "trained"  # what `python -m paged_jax.routing.train` writes
+DEFAULT_PAIR = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")  # (weak, strong)
+
+
+def pair_folder(weak: str, strong: str) -> Path:
+    """Where the head trained for a (weak, strong) pair of shipped models is kept."""
+    return TRAINED / f"{weak}+{strong}"
 
 
 @dataclasses.dataclass
@@ -194,11 +200,11 @@ def save(head: Head, folder: str | Path) -> Path:
 
 
 def load(folder: str | Path | None = None) -> Head:
-    """A head written by `save` (default: the shipped one, TRAINED / "head")."""
-    folder = Path(folder or TRAINED / "head").absolute()
+    """A head written by `save` (default: the shipped one for DEFAULT_PAIR)."""
+    folder = Path(folder or pair_folder(*DEFAULT_PAIR) / "head").absolute()
     if not (folder / "head.json").is_file():
         raise FileNotFoundError(f"no trained router head in {folder}; build one with "
-                                "`python -m paged_jax.routing.train`")
+                                "`python -m paged_jax.routing.train --weak W --strong S`")
     meta = json.loads((folder / "head.json").read_text())
     with np.load(folder / "arrays.npz") as arrays:
         tree = dict(arrays)

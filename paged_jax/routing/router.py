@@ -34,7 +34,7 @@ from paged_jax.llm import LLM, as_requests
 from paged_jax.outputs import RequestOutput
 from paged_jax.routing import features as feat
 from paged_jax.routing import sla
-from paged_jax.routing.head import Head, load, threshold_for_share
+from paged_jax.routing.head import DEFAULT_PAIR, Head, load, pair_folder, threshold_for_share
 from paged_jax.sampling_params import SamplingParams
 
 _ROUTERS = itertools.count()
@@ -76,6 +76,11 @@ class RoutedLLM:
         for name, v in (("ttft_slo", ttft_slo), ("tpot_slo", tpot_slo)):
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {v}")
+        width = head.center.shape[0] if head.components.size else None
+        if width is not None and width != weak.llm_engine.model_config.hidden_size:
+            raise ValueError(f"the router head reads a hidden state of {width} values, the weak "
+                             f"model's is {weak.llm_engine.model_config.hidden_size}: use the "
+                             "head trained for this pair (routing/head.pair_folder)")
         self.weak, self.strong, self.head, self.names = weak, strong, head, names
         self.slo = (ttft_slo, tpot_slo)
         if cost_budget is not None:
@@ -204,9 +209,11 @@ def _top(pos: dict, token: int, k: int) -> dict:
     return {t: lp for t, lp in pos.items() if t == token or (lp.rank or 0) <= k}
 
 
-def shipped_router(strong_share: float = 0.5, **llm_kwargs) -> RoutedLLM:
-    """SmolLM2-135M-Instruct (weak) and Gemma 3 270M (strong), both shipped on PyPI, with the
-    head trained on them (paged_jax/routing/trained); `llm_kwargs` go to both LLMs."""
-    models = ("smollm2", "gemma3")
+def shipped_router(strong_share: float = 0.5, models: tuple[str, str] = DEFAULT_PAIR,
+                   **llm_kwargs) -> RoutedLLM:
+    """A (weak, strong) pair of shipped models with the head trained on them (paged_jax/
+    routing/trained/<weak>+<strong>): Qwen2.5-Coder 0.5B / 1.5B Instruct by default (the 1.5B
+    comes with `make models`), or ("smollm2", "gemma3"); `llm_kwargs` go to both LLMs."""
+    head = load(pair_folder(*models) / "head")
     weak, strong = (LLM(m, **llm_kwargs) for m in models)
-    return RoutedLLM(weak, strong, load(), strong_share=strong_share, names=models)
+    return RoutedLLM(weak, strong, head, strong_share=strong_share, names=models)

@@ -41,7 +41,8 @@ def parser() -> argparse.ArgumentParser:
                     help='route: serve MODEL (weak) and this one, plus "auto" (each request '
                          "routed by a trained head; same engine flags for both)")
     ap.add_argument("--router-head", default=None,
-                    help="the head's folder (default: the shipped SmolLM2 / Gemma 3 head)")
+                    help="the head's folder (default: the head shipped for MODEL and "
+                         "--strong-model, e.g. qwen2.5-coder-0.5b and qwen2.5-coder-1.5b)")
     ap.add_argument("--strong-share", type=float, default=0.5,
                     help='share of "auto" traffic the head would send to the strong model')
     ap.add_argument("--cost-budget", type=float, default=None,
@@ -74,11 +75,12 @@ def main(argv: list[str] | None = None) -> None:
     if a.strong_model is None:
         app = build_app(LLM(a.model, **kw), name, a.max_pending)
     else:
-        from paged_jax.routing.head import load
+        from paged_jax.routing.head import load, pair_folder
         from paged_jax.routing.router import RoutedLLM
 
         names = (name, default_name(a.strong_model))
-        router = RoutedLLM(LLM(a.model, **kw), LLM(a.strong_model, **kw), load(a.router_head),
+        head = load(a.router_head or pair_folder(a.model, a.strong_model) / "head")
+        router = RoutedLLM(LLM(a.model, **kw), LLM(a.strong_model, **kw), head,
                            strong_share=a.strong_share, names=names,
                            cost_budget=a.cost_budget)
         app = build_app(router, max_pending=a.max_pending)
