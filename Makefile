@@ -53,8 +53,8 @@ lint: $(STAMP)
 run: $(STAMP)
 	$(VPY) -m experiments.headline
 
-# `make experiments SKIP="peers block_size"` leaves experiments out.
-experiments: $(STAMP)
+# `make experiments SKIP="peers block_size"` leaves experiments out; routing needs the 1.5B.
+experiments: models
 	$(VPY) -m experiments.run_all $(if $(SKIP),--skip $(SKIP))
 
 # The peers `make bench` measures beside paged-jax, each in its own venv (not in the tests):
