@@ -37,12 +37,14 @@ def quality_at(y: np.ndarray, scores: np.ndarray, share: float) -> float:
 def curves(y: np.ndarray, router_scores: np.ndarray, shares=SHARES) -> dict[str, list[dict]]:
     """Each policy's curve as [{strong_share, quality}, ...]."""
     acc_w, acc_s = y.mean(0)
-    gain = y[:, 1] - y[:, 0]
+    by_k = {p: quality_by_count(y, sc) for p, sc in (("router", router_scores),
+                                                      ("oracle", y[:, 1] - y[:, 0]))}
     pts = lambda f: [dict(strong_share=s, quality=f(s)) for s in shares]  # noqa: E731
+    at = lambda p: pts(lambda s: float(by_k[p][int(round(s * len(y)))]))  # noqa: E731
     return dict(
-        router=pts(lambda s: quality_at(y, router_scores, s)),
+        router=at("router"),
         random=pts(lambda s: float((1 - s) * acc_w + s * acc_s)),
-        oracle=pts(lambda s: quality_at(y, gain, s)),
+        oracle=at("oracle"),
         weak=[dict(strong_share=0.0, quality=float(acc_w))],
         strong=[dict(strong_share=1.0, quality=float(acc_s))],
     )

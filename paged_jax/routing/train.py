@@ -5,8 +5,8 @@
    open questions ("define") are labelled by the likelihood each model gives the reference
    answer instead (routing/likelihood.py); the weak model's pass also yields the routing
    features (routing/features.py), exactly as the router computes them at serving time;
-3. splits: at random (70 / 30) and by task family (the pair's HELD_OUT families, chosen
-   before any result of the pair was seen, held out entirely);
+3. splits: at random (70 / 30) and by task family (the pair's held-out families in PAIRS,
+   chosen before any result of the pair was seen, held out entirely);
 4. a head per split (routing/head.py), trained on 80% of its train part and calibrated on
    the other 20%; the random split's head is the one the router loads. Its inputs (the
    named features, all or only the prompt's, and 0-32 principal components of the weak
@@ -47,7 +47,7 @@ MODELS = head_lib.DEFAULT_PAIR  # weak, strong
 # Per pair: the families asked, and those the family split holds out. The Qwen pair's were
 # chosen before any of its answers were seen (one general family, one code family).
 PAIRS = {
-    ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"): (tuple(ALL_FAMILIES), ("lookup", "pyfunc")),
+    MODELS: (tuple(ALL_FAMILIES), ("lookup", "pyfunc")),
     ("smollm2", "gemma3"): (tuple(FAMILIES), ("lookup", "reverse")),
 }
 MEMBERS = 3  # heads averaged per router (head.py)
