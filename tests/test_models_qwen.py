@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers needs it to load GGUF files
 
 from paged_jax.models import load_model  # noqa: E402
+from paged_jax.models.llama import prepare_params  # noqa: E402
 from paged_jax.models.loader import model_path  # noqa: E402
 from paged_jax.models.reference_loop import greedy, paged_loop  # noqa: E402
 
@@ -98,11 +99,14 @@ def check(name: str, ours: np.ndarray, want: np.ndarray, gen: list[list[int]]) -
 @pytest.fixture(scope="module", params=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
 def runs(request):
     """Our tokens and logits, then transformers' on the same tokens, one model in memory at a
-    time. Peak RSS (/usr/bin/time -v): 0.5B 7.8 -> 5.3 GB; 1.5B 20.7 -> 17.7 GB, still most
-    of a 24 GB machine (ours holds the params and the forward's prepared copy)."""
+    time. Peak anonymous memory of the 1.5B: 14.3 GB while the forward's layout is built
+    beside the loaded params, 7.7 GB after (RssAnon sampled every 20 ms); it was 17.4 GB
+    before prepare_params went one layer at a time, which with a second test worker beside it
+    ran a 24 GB CI machine out of memory."""
     path = _available(request.param)
     gc.collect()
     config, params, tok = load_model(request.param)
+    params = prepare_params(params)  # the checkpoint layout freed before anything runs
     cases = {"chat": (chat_prompts(tok), MAX_TOKENS), "long": (long_prompt(tok), LONG_TOKENS)}
     ours = {k: ours_greedy(config, params, p, n, seed)
             for seed, (k, (p, n)) in enumerate(cases.items())}
