@@ -13,6 +13,8 @@ share their text) and stops it afterwards. `--offline` also runs the same reques
 `LLM.generate` in this process, after the server has stopped, and prints the server's throughput
 against it (the HTTP + async-loop overhead). `--vllm-python PY` runs the same client against
 vLLM's OpenAI server started with that interpreter (`make peers` does, with its .venv-vllm).
+`--eager-too` also runs our server with `--plan-eagerly` (each step planned as soon as the one
+before is sent, so an arrival waits for one more step) as a third server, between the two.
 Writes results/bench_serving.json and .png.
 """
 
@@ -266,6 +268,8 @@ def main(argv: list[str] | None = None, name: str = "bench_serving") -> dict:
     ap.add_argument("--vllm-python", default=None,
                     help="also run the same client against vLLM's server, started with this "
                     "interpreter (`make peers`: .venv-vllm/bin/python)")
+    ap.add_argument("--eager-too", action="store_true",
+                    help="also run our server with --plan-eagerly (label 'paged-jax eager')")
     ap.add_argument("--bytes", action="store_true",
                     help="prompts as UTF-8 bytes (any vocabulary of >= 256), not the model's "
                     "tokens")
@@ -278,6 +282,9 @@ def main(argv: list[str] | None = None, name: str = "bench_serving") -> dict:
     proc, url = (None, a.url) if a.url else start_server(
         a.model, ENGINE_FLAGS + ["--max-pending", str(a.max_pending)])
     rows = sweep(proc, url, model, tok, a, "paged-jax")
+    if a.eager_too and not a.url:
+        flags = ENGINE_FLAGS + ["--max-pending", str(a.max_pending), "--plan-eagerly"]
+        rows += sweep(*start_server(a.model, flags), model, tok, a, "paged-jax eager")
     if a.vllm_python:
         rows += sweep(*start_vllm(a.vllm_python, model), model, tok, a, "vllm")
     out = dict(requests=a.requests, scale=a.scale, cv=a.cv, limits=LIMITS, rows=rows)

@@ -2,10 +2,15 @@
 runs step n and reads each step one step late. The same tokens as synchronous scheduling, every
 step delivered as read, nothing held after aborts, preemption or stop strings."""
 
+import asyncio
+import threading
+import time
+
 import pytest
 
 from paged_jax.engine import step as step_lib
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.serve.async_engine import AsyncEngine
 from tests.engine_helpers import GREEDY, all_free, engine, prompts, run
 
 
@@ -166,3 +171,79 @@ def test_a_prefill_cap_gives_the_same_tokens(cap, async_):
     eng = engine(long_prefill_token_threshold=cap, async_scheduling=async_)
     same(run(engine(), reqs), run(eng, reqs))
     assert all_free(eng)
+
+
+class _Gate:
+    """Stands for a step's device outputs that are not ready until `open` is set."""
+
+    def __init__(self):
+        self.open, self.waited = threading.Event(), threading.Event()
+
+    def block_until_ready(self):
+        self.waited.set()
+        self.open.wait(30)
+        return self
+
+
+def test_a_served_arrival_joins_the_next_step_instead_of_the_one_after():
+    """AsyncEngine (the server's loop) waits for the step in flight or an arrival before it
+    plans. While `hold` is set the step in flight is a gate that never ends on its own: the
+    engine plans nothing until a request arrives, then sends one step, with that request's
+    prefill in it, and waits again."""
+    eng = engine(async_scheduling=True)
+    gates, hold = [], threading.Event()
+
+    def gated():
+        if not hold.is_set() or eng._in_flight is None:
+            return None
+        gates.append(_Gate())
+        return gates[-1]
+
+    def until(cond) -> bool:
+        deadline = time.time() + 10
+        while not cond() and time.time() < deadline:
+            time.sleep(0.01)
+        return cond()
+
+    async def submit(rid: str):  # a stream belongs to the event loop it was made in
+        return served.submit(rid, GREEDY, rid)
+
+    eng.step_to_wait_for = gated
+    served = AsyncEngine(eng)
+    loop = asyncio.new_event_loop()
+    try:
+        first = loop.run_until_complete(submit("first"))
+        loop.run_until_complete(first.__anext__())
+        hold.set()
+        assert until(lambda: gates and gates[-1].waited.is_set())
+        steps = len(eng.stats)
+        time.sleep(0.3)
+        assert len(eng.stats) == steps, "planned without an arrival or the step's end"
+        second = loop.run_until_complete(submit("second"))
+        assert until(lambda: len(eng.stats) > steps and len(gates) > 1)
+        time.sleep(0.2)
+        assert len(eng.stats) == steps + 1
+        assert eng.requests["second"].seqs[0].num_computed > 0  # in the step just sent
+        hold.clear()
+        for g in gates:
+            g.open.set()
+        assert len(loop.run_until_complete(second.__anext__()).outputs[0].token_ids) == 1
+    finally:
+        hold.clear()
+        for g in gates:
+            g.open.set()
+        served.shutdown()
+        loop.close()
+
+
+def test_an_engine_with_no_room_or_a_queue_is_not_waited_for():
+    eng = engine(async_scheduling=True, max_num_seqs=2)
+    assert eng.step_to_wait_for() is None  # nothing in flight
+    eng.add_request("a", "one", GREEDY)
+    eng.step()
+    assert eng.step_to_wait_for() is not None  # one running, a slot free
+    eng.add_request("b", "two", GREEDY)
+    eng.add_request("c", "three", GREEDY)
+    eng.step()
+    assert eng.step_to_wait_for() is None  # both slots taken, "c" waits
+    run(eng, [])

@@ -149,6 +149,20 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
 
+    def step_to_wait_for(self) -> object | None:
+        """The device outputs of the step in flight (async scheduling) when a request arriving
+        before it ends could join the next step (a free slot, nobody waiting); else None.
+
+        A server waits for these (or an arrival) before planning: planned at once, the next
+        step would already be queued behind this one when a request arrives, and the request
+        would wait for both (a whole step more to its first token than sync scheduling).
+        """
+        if self._in_flight is None or self.scheduler.waiting:
+            return None
+        if len(self.scheduler.running) >= self.config.max_num_seqs:
+            return None
+        return self._in_flight[1].out
+
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled step (or decode window); returns outputs of touched requests

@@ -50,10 +50,10 @@ class Served:
 
 
 def build_app(llm: LLM | RoutedLLM, model_name: str | None = None,
-              max_pending: int = 256) -> FastAPI:
+              max_pending: int = 256, plan_eagerly: bool = False) -> FastAPI:
     """The app serving `llm` as `model_name`; or, given a RoutedLLM, its two models under
     their names (`router.names`) and "auto" (each request routed by the router's head).
-    Engine threads stop with the app."""
+    Engine threads stop with the app; `plan_eagerly` as in AsyncEngine."""
     router_ = llm if isinstance(llm, RoutedLLM) else None
     if router_ and (len(set(router_.names)) < 2 or AUTO in router_.names):
         raise ValueError(f'a routed server needs two model names other than "{AUTO}", got '
@@ -61,7 +61,7 @@ def build_app(llm: LLM | RoutedLLM, model_name: str | None = None,
     pairs = (zip(router_.names, (router_.weak, router_.strong), strict=True) if router_
              else [(model_name, llm)])
     metrics = ServerMetrics(model_name or AUTO)
-    models = {name: _served(m, name, max_pending, metrics) for name, m in pairs}
+    models = {name: _served(m, name, max_pending, metrics, plan_eagerly) for name, m in pairs}
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -76,11 +76,12 @@ def build_app(llm: LLM | RoutedLLM, model_name: str | None = None,
     return app
 
 
-def _served(llm: LLM, name: str, max_pending: int, metrics: ServerMetrics) -> Served:
+def _served(llm: LLM, name: str, max_pending: int, metrics: ServerMetrics,
+            plan_eagerly: bool) -> Served:
     m = metrics.for_model(name)
     m.watch(llm.llm_engine)
     engine = AsyncEngine(llm.llm_engine, max_pending, on_step=m.after_step,
-                         on_abort=lambda rid: m.aborted())
+                         on_abort=lambda rid: m.aborted(), plan_eagerly=plan_eagerly)
     return Served(llm, name, engine, m)
 
 

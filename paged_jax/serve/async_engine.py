@@ -23,6 +23,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import jax
+
 from paged_jax.engine import Engine
 from paged_jax.outputs import RequestOutput
 from paged_jax.sampling_params import SamplingParams
@@ -92,12 +94,17 @@ class AsyncEngine:
       max_pending: most requests waiting or running at once.
       on_step: called on the engine thread after every step with (engine, outputs), for
         metrics.
+      plan_eagerly: with async scheduling, plan each step as soon as the previous one is
+        sent, as offline. False (default): while a step runs with room for another request,
+        wait for it to end or for an arrival first, so an arriving request joins the very next
+        step (`Engine.step_to_wait_for`); the host's work on the finished step's outputs
+        still overlaps the next step.
     """
 
     def __init__(self, engine: Engine, max_pending: int = 256,
                  on_step: Callable[[Engine, list[RequestOutput]], None] | None = None,
-                 on_abort: Callable[[str], None] | None = None):
-        self.engine, self.max_pending = engine, max_pending
+                 on_abort: Callable[[str], None] | None = None, plan_eagerly: bool = False):
+        self.engine, self.max_pending, self.plan_eagerly = engine, max_pending, plan_eagerly
         self.on_step, self.on_abort = on_step, on_abort
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
@@ -106,6 +113,9 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.error: BaseException | None = None  # what stopped the loop, if it crashed
         self._thread = threading.Thread(target=self._run, name="paged-jax-engine", daemon=True)
+        self._watched: queue.Queue = queue.Queue()  # (tick, device outputs) to wait for
+        self._ticks = itertools.count()
+        threading.Thread(target=self._watch, name="paged-jax-watch", daemon=True).start()
         self._thread.start()
 
     # ---- caller side -----------------------------------------------------------------------
@@ -147,6 +157,7 @@ class AsyncEngine:
         self._stop.set()
         self._inbox.put(("wake",))
         self._thread.join(timeout)
+        self._watched.put(None)
 
     # ---- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -161,10 +172,34 @@ class AsyncEngine:
                         self._deliver(out.request_id, out)
                     if self.on_step is not None:
                         self.on_step(self.engine, outs)
+                    self._wait_for_step_or_arrival()
         except BaseException as e:  # noqa: BLE001 - reported to every open stream
             self.error = e
         finally:
             self._close_all(RuntimeError(f"the engine stopped ({self.error!r})"))
+
+    def _wait_for_step_or_arrival(self) -> None:
+        """Blocks until the step in flight ends or a command arrives (applied at once), when
+        the engine says an arrival could join the next step (`plan_eagerly` in the class)."""
+        out = None if self.plan_eagerly else self.engine.step_to_wait_for()
+        if out is None:
+            return
+        tick = next(self._ticks)
+        self._watched.put((tick, out))
+        while (cmd := self._inbox.get()) != ("ready", tick):
+            if cmd[0] != "ready":  # a tick of an earlier step is stale
+                self._apply(cmd)
+                return
+
+    def _watch(self) -> None:
+        """Watcher thread: puts ("ready", tick) in the inbox when the watched outputs are."""
+        while (item := self._watched.get()) is not None:
+            tick, out = item
+            try:
+                jax.block_until_ready(out)
+            except Exception:  # noqa: BLE001, S110 - read and freed already: it has ended
+                pass
+            self._inbox.put(("ready", tick))
 
     def _drain(self, block: bool) -> None:
         """Applies every queued command; waits for one first when the engine is idle."""

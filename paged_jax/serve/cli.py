@@ -30,6 +30,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                     help="plan each step while the device runs the one before; every token "
                          "streams as it is read (no decode windows)")
+    ap.add_argument("--plan-eagerly", action="store_true",
+                    help="with async scheduling, plan each step as soon as the one before is "
+                         "sent (offline's order); by default a step with room for another "
+                         "request is planned when the one before ends or a request arrives, "
+                         "so an arrival joins the very next step")
     ap.add_argument("--long-prefill-token-threshold", type=int, default=0,
                     help="the most tokens of one prompt a step prefills (0 = no cap): a long "
                          "prompt then shares steps with running decodes")
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
               long_prefill_token_threshold=a.long_prefill_token_threshold)
     name = a.served_model_name or default_name(a.model)
     if a.strong_model is None:
-        app = build_app(LLM(a.model, **kw), name, a.max_pending)
+        app = build_app(LLM(a.model, **kw), name, a.max_pending, a.plan_eagerly)
     else:
         from paged_jax.routing.head import load, pair_folder
         from paged_jax.routing.router import RoutedLLM
@@ -83,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         router = RoutedLLM(LLM(a.model, **kw), LLM(a.strong_model, **kw), head,
                            strong_share=a.strong_share, names=names,
                            cost_budget=a.cost_budget)
-        app = build_app(router, max_pending=a.max_pending)
+        app = build_app(router, max_pending=a.max_pending, plan_eagerly=a.plan_eagerly)
         name = f"{names[0]}, {names[1]} and auto"
     print(f"serving {name} on http://{a.host}:{a.port}/v1", flush=True)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
