@@ -226,15 +226,20 @@ def chain_seconds(params, batch: int, repeats: int = 10) -> float:
     import jax
     import jax.numpy as jnp
 
+    from paged_jax.models.llama import linear
+
     layers, embed = params["layers"], params["embed"]
-    head = params["lm_head"] if "lm_head" in params else embed.T  # [E, V]; tied: the embedding
+    # the head as the forward runs it: x @ lm_head [E, V], or tied, the [V, E] embedding
+    # contracted on E
+    untied = "lm_head" in params
+    head = params["lm_head"] if untied else embed
 
     def chain(layers, head, x):
-        for p in layers:
-            qkv = x @ p["w_qkv"]
-            x = x + qkv[:, :p["wo"].shape[0]] @ p["wo"]
-            x = x + jnp.split(x @ p["w_gate_up"], 2, axis=-1)[0] @ p["w_down"]
-        return x @ head
+        for p in layers:  # runtime form: [out, in] projections
+            qkv = linear(x, p["w_qkv"])
+            x = x + linear(qkv[:, :p["wo"].shape[1]], p["wo"])
+            x = x + linear(jnp.split(linear(x, p["w_gate_up"]), 2, axis=-1)[0], p["w_down"])
+        return x @ head if untied else linear(x, head)
 
     f = jax.jit(chain)
     x = jnp.full((batch, embed.shape[1]), 0.01, embed.dtype)

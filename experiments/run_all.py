@@ -27,6 +27,7 @@ from experiments import (
     shared_prefix,
     sliding_window_kv,
     test_times,
+    weight_layout,
 )
 
 VLLM = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
@@ -44,6 +45,7 @@ FULL = [
     (kv_quantization, dict(argv=[])),
     (routing, dict(argv=[])),
     (scaling, dict(argv=[])),
+    (weight_layout, dict(argv=[])),
     (bench, dict(argv=[])),
     (async_scheduling, dict(argv=[])),
     (long_prompt, dict(argv=[])),

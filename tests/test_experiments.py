@@ -137,6 +137,15 @@ def test_async_scheduling_alternates_its_sides():
         assert r["greedy_agree"] == 1.0  # the same tokens whichever way the steps run
 
 
+def test_weight_layout_times_both_layouts_of_the_same_chain():
+    from experiments import weight_layout
+
+    data = weight_layout.main(["--batches", "2", "--rounds", "2"])
+    assert [r["layout"] for r in data["rows"]] == ["[out, in]", "[in, out]"]
+    assert all(len(r["runs_ms"]) == 2 and r["ms"] > 0 for r in data["rows"])
+    assert data["rows"][0]["in_out_over_out_in"] > 0
+
+
 def test_long_prompt_runs_both_caps_with_the_same_tokens():
     from experiments import long_prompt
 

@@ -90,18 +90,19 @@ def test_no_recompilation_after_warmup():
 
 
 def test_sharded_params_rebuild_the_unsharded_weights():
-    """Device i's slice of the fused q|k|v columns is its query heads, then its KV head."""
+    """Device i's slice of the fused q|k|v outputs (rows: runtime weights are [out, in]) is
+    its query heads, then its KV head."""
     cfg = tiny_config()
     eng = engine(tensor_parallel_size=2)
     one = engine().params
     d, q = cfg.head_dim, cfg.num_heads * cfg.head_dim
     w = one["layers"][0]["w_qkv"]
     shards = sorted(eng.params["layers"][0]["w_qkv"].addressable_shards,
-                    key=lambda s: s.index[1].start)
+                    key=lambda s: s.index[0].start)
     for i, s in enumerate(shards):
         mine = np.asarray(s.data)
-        np.testing.assert_array_equal(mine[:, :2 * d], w[:, i * 2 * d:(i + 1) * 2 * d])
-        np.testing.assert_array_equal(mine[:, 2 * d:3 * d], w[:, q + i * d:q + (i + 1) * d])
+        np.testing.assert_array_equal(mine[:2 * d], w[i * 2 * d:(i + 1) * 2 * d])
+        np.testing.assert_array_equal(mine[2 * d:3 * d], w[q + i * d:q + (i + 1) * d])
 
 
 def test_data_parallel_replicas_share_the_work(one_device):

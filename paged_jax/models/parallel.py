@@ -1,6 +1,6 @@
 """Tensor parallelism (Megatron-style) over a 1-D "model" mesh of N devices.
 
-    params    q|k|v and gate|up columns split by head / by F, wo and w_down rows split,
+    params    q|k|v and gate|up outputs split by head / by F, wo and w_down inputs split,
               embed and lm_head split by vocabulary; norms replicated
     KV pool   every layer's [H, N, K, D] pages split on H: each device holds its KV heads
     forward   runs per device under `shard_map` (attention kernels included, on the local
@@ -15,9 +15,10 @@ replicated on N / H devices (each device holds one), so a device holds 1 / H of 
 unreplicated pool instead of 1 / N. Device i holds query heads [i Q/N, (i+1) Q/N) and KV
 head i H/N (GQA groups stay whole on a device).
 
-Params are re-laid out on the host once (`shard_params`): the fused q|k|v and gate|up columns
-are reordered so that device i's slice of the last axis is its own q|k|v (gate|up) in the
-layout the unsharded forward expects, and the vocabulary is zero-padded to a multiple of N.
+Params are re-laid out on the host once (`shard_params`): the fused q|k|v and gate|up outputs
+(rows of the runtime form's [out, in] weights) are reordered so that device i's slice of the
+output axis is its own q|k|v (gate|up) in the layout the unsharded forward expects, and the
+vocabulary is zero-padded to a multiple of N.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ if TYPE_CHECKING:  # models import this module (the forward's collectives)
 
 AXIS = "model"
 
-# Runtime layer weights split by the mesh, and the axis they are split on; the rest of a
-# layer (norms, bo) is replicated.
-_LAYER_AXIS = {"w_qkv": 1, "b_qkv": 0, "wo": 0, "w_gate_up": 1, "w_down": 0}
+# Runtime layer weights ([out, in]) split by the mesh, and the axis they are split on; the
+# rest of a layer (norms, bo) is replicated.
+_LAYER_AXIS = {"w_qkv": 0, "b_qkv": 0, "wo": 1, "w_gate_up": 0, "w_down": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,16 +106,17 @@ def _interleave(parts: list[np.ndarray], n: int) -> np.ndarray:
 
 
 def _layer(p: dict, config: ModelConfig, lay: Layout) -> dict:
+    """One runtime-form layer's outputs reordered per device (worked on as [in, out])."""
     q, h, d = config.num_heads * config.head_dim, config.num_kv_heads, config.head_dim
     out = dict(p)
     for name in ("w_qkv", "b_qkv"):
         if name in p:
-            w = p[name]
+            w = p[name].T  # [in, out] (a bias is 1-D: itself)
             k, v = w[..., q:q + h * d], w[..., q + h * d:]
             out[name] = _interleave([w[..., :q], _kv_heads(k, h, d, lay),
-                                     _kv_heads(v, h, d, lay)], lay.n)
-    gate, up = np.split(p["w_gate_up"], 2, -1)
-    out["w_gate_up"] = _interleave([gate, up], lay.n)
+                                     _kv_heads(v, h, d, lay)], lay.n).T
+    gate, up = np.split(p["w_gate_up"].T, 2, -1)
+    out["w_gate_up"] = _interleave([gate, up], lay.n).T
     return out
 
 

@@ -1,0 +1,88 @@
+"""Which way round the runtime form stores projection weights: the model's matmul chain on
+XLA:CPU with every projection [out, in] (the runtime form: `linear` contracts x's last axis
+with w's) against [in, out] (`x @ w`), alternating, per batch size.
+
+    python -m experiments.weight_layout [--model smollm2] [--batches 1 16 64] [--rounds 7]
+
+The chain is `experiments.bench.chain_seconds`'s: per layer q|k|v, o, gate|up and down
+projections, then the tied head; no attention, norms or sampling. Each round times one call of
+each layout (after a warm-up call each); reports the median and spread (half the range) of
+the rounds, and the [in, out] time over the [out, in] time. Writes results/weight_layout.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.common import save_json, table
+from paged_jax.models import load_model
+from paged_jax.models.llama import linear, prepare_params
+
+
+def chains(params: dict):
+    """(chain over [out, in] weights, chain over [in, out] weights, the two weight lists)."""
+    layers = params["layers"]
+    flipped = [{k: jnp.asarray(np.asarray(v).T) if v.ndim == 2 else v for k, v in p.items()}
+               for p in layers]
+
+    qd = layers[0]["wo"].shape[1]  # the o projection's input width, Q * D
+
+    def run(dot):
+        def chain(layers, embed, x):
+            for p in layers:
+                qkv = dot(x, p["w_qkv"])
+                x = x + dot(qkv[:, :qd], p["wo"])
+                x = x + dot(jnp.split(dot(x, p["w_gate_up"]), 2, axis=-1)[0], p["w_down"])
+            return linear(x, embed)
+        return jax.jit(chain)
+
+    return run(linear), run(lambda x, w: x @ w), layers, flipped
+
+
+def measure(params: dict, batches: list[int], rounds: int) -> list[dict]:
+    out_in, in_out, layers, flipped = chains(params)
+    embed = params["embed"]
+    sides = {"[out, in]": (out_in, layers), "[in, out]": (in_out, flipped)}
+    rows = []
+    for b in batches:
+        x = jnp.full((b, embed.shape[1]), 0.01, embed.dtype)
+        for f, ws in sides.values():
+            f(ws, embed, x).block_until_ready()
+        times = {k: [] for k in sides}
+        for _ in range(rounds):
+            for k, (f, ws) in sides.items():
+                t = time.perf_counter()
+                f(ws, embed, x).block_until_ready()
+                times[k].append(time.perf_counter() - t)
+        for k, ts in times.items():
+            rows.append(dict(batch=b, layout=k, ms=1e3 * statistics.median(ts),
+                             spread_ms=1e3 * (max(ts) - min(ts)) / 2,
+                             runs_ms=[1e3 * t for t in ts]))
+        a, c = rows[-2], rows[-1]
+        a["in_out_over_out_in"] = c["ms"] / a["ms"]
+        a["separable"] = abs(c["ms"] - a["ms"]) > a["spread_ms"] + c["spread_ms"]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--rounds", type=int, default=7)
+    a = ap.parse_args(argv)
+    _, params, _ = load_model(a.model)
+    rows = measure(prepare_params(params), a.batches, a.rounds)
+    print(table(rows, ["batch", "layout", "ms", "spread_ms", "in_out_over_out_in", "separable"]))
+    out = dict(model=a.model, rounds=a.rounds, rows=rows)
+    out["json"] = str(save_json("weight_layout", out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
