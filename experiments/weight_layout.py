@@ -7,7 +7,8 @@ with w's) against [in, out] (`x @ w`), alternating, per batch size.
 The chain is `experiments.bench.chain_seconds`'s: per layer q|k|v, o, gate|up and down
 projections, then the tied head; no attention, norms or sampling. Each round times one call of
 each layout (after a warm-up call each); reports the median and spread (half the range) of
-the rounds, and the [in, out] time over the [out, in] time. Writes results/weight_layout.json.
+the rounds, the [in, out] time over the [out, in] time, and in how many rounds [out, in] was
+the faster (paired: both ran in the same round). Writes results/weight_layout.json.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def measure(params: dict, batches: list[int], rounds: int) -> list[dict]:
         a, c = rows[-2], rows[-1]
         a["in_out_over_out_in"] = c["ms"] / a["ms"]
         a["separable"] = abs(c["ms"] - a["ms"]) > a["spread_ms"] + c["spread_ms"]
+        # paired: the rounds in which [out, in] was the faster (a sign test's count)
+        a["out_in_faster_rounds"] = sum(x < y for x, y in zip(*times.values(), strict=True))
     return rows
 
 
@@ -78,7 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     _, params, _ = load_model(a.model)
     rows = measure(prepare_params(params), a.batches, a.rounds)
-    print(table(rows, ["batch", "layout", "ms", "spread_ms", "in_out_over_out_in", "separable"]))
+    print(table(rows, ["batch", "layout", "ms", "spread_ms", "in_out_over_out_in", "separable",
+                      "out_in_faster_rounds"]))
     out = dict(model=a.model, rounds=a.rounds, rows=rows)
     out["json"] = str(save_json("weight_layout", out))
     return out
