@@ -186,10 +186,10 @@ class _Gate:
 
 
 def test_a_served_arrival_joins_the_next_step_instead_of_the_one_after():
-    """AsyncEngine (the server's loop) waits for the step in flight or an arrival before it
-    plans. While `hold` is set the step in flight is a gate that never ends on its own: the
-    engine plans nothing until a request arrives, then sends one step, with that request's
-    prefill in it, and waits again."""
+    """AsyncEngine (the server's loop) plans a step with room only once the step in flight
+    has ended. While `hold` is set the step in flight is a gate that never ends on its own: a
+    request that arrives meanwhile is taken in (applied) but nothing is planned; once the gate
+    opens, the very next step sent prefills it."""
     eng = engine(async_scheduling=True)
     gates, hold = [], threading.Event()
 
@@ -216,12 +216,13 @@ def test_a_served_arrival_joins_the_next_step_instead_of_the_one_after():
         loop.run_until_complete(first.__anext__())
         hold.set()
         assert until(lambda: gates and gates[-1].waited.is_set())
-        steps = len(eng.stats)
-        time.sleep(0.3)
-        assert len(eng.stats) == steps, "planned without an arrival or the step's end"
+        steps, waiting = len(eng.stats), len(gates)
         second = loop.run_until_complete(submit("second"))
-        assert until(lambda: len(eng.stats) > steps and len(gates) > 1)
-        time.sleep(0.2)
+        assert until(lambda: "second" in eng.requests)  # taken in while the step runs
+        time.sleep(0.3)
+        assert len(eng.stats) == steps, "planned before the step in flight ended"
+        gates[-1].open.set()  # the step ends: the next plan takes "second"
+        assert until(lambda: len(gates) > waiting)
         assert len(eng.stats) == steps + 1
         assert eng.requests["second"].seqs[0].num_computed > 0  # in the step just sent
         hold.clear()
