@@ -9,7 +9,9 @@ its work costs while the number of compiled programs stays small:
     ragged step (prefill chunks, admissions, forks; its cost is mostly its T tokens):
       rows R          with prefill chunks: S (every slot: one row bucket at any load);
                       decode-only (async scheduling's hot loop): power of two from 1
-      tokens T        decode-only: R; with prefill chunks: budget / 4 or budget (two buckets)
+      tokens T        decode-only: R; with prefill chunks: a power of two from 16 up to
+                      budget / 4, else the budget (a short prompt's step costs what its
+                      tokens cost, not a 128-token step: `experiments.weight_layout`)
       max_q           1 (decodes), T / 8 (every chunk short), or T
       max_q_rows      1, 4 or R rows with more than one token (they come first)
       admissions A    max_num_seqs entries (none in a decode-only step that admits nothing)
@@ -217,7 +219,7 @@ def _step_buckets(chunks: list[tuple[Sequence, int]], num_rows: int, ec) -> tupl
     # bucket (all slots) means a server meets the same few programs at every load.
     r = next_pow2(ec.max_num_seqs)
     total = sum(n for _, n in chunks)
-    t = next_pow2(total, max(8, top // 4))
+    t = next_pow2(total, min(16, top))
     return r, top if t > top // 4 else t
 
 
