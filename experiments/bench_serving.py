@@ -205,13 +205,15 @@ def offline(model: str | None, items) -> dict:
 
 
 def sweep(proc, url: str, model: str, tok, a, server: str) -> list[dict]:
-    """A warm-up pass (the whole workload at once: every step shape compiles), then each
-    rate; stops `proc` (if any) at the end."""
+    """Warm-up passes (the whole workload at once, then 16 other requests arriving one by one
+    at 2 per second: the step shapes of bursts and of lone prompts compile before anything is
+    measured), then each rate; stops `proc` (if any) at the end."""
     rows = []
     try:
-        warm = make_workload("sharegpt", a.requests, float("inf"), tok, seed=a.seed,
-                             scale=a.scale, max_model_len=512)
-        asyncio.run(run_rate(url, model, warm, a.timeout))
+        for n, rate, seed in ((a.requests, float("inf"), a.seed), (16, 2.0, a.seed + 1)):
+            warm = make_workload("sharegpt", n, rate, tok, seed=seed, scale=a.scale,
+                                 max_model_len=512)
+            asyncio.run(run_rate(url, model, warm, a.timeout))
         for rate in a.rates:
             items = make_workload("sharegpt", a.requests, rate, tok, seed=a.seed,
                                   scale=a.scale, max_model_len=512, cv=a.cv)

@@ -17,10 +17,10 @@ leading L axis (one array per weight name, easy to save, compare and load):
 list of per-layer dicts, with q|k|v fused into one `w_qkv [(Q + 2H) * D, E]` (and `b_qkv`) and
 gate|up into one `w_gate_up [2F, E]`, and every projection stored [out, in] (`w_qkv`, `wo
 [E, Q*D]`, `w_gate_up`, `w_down [E, F]`; `linear` contracts x's last axis with w's). XLA:CPU's
-dots read that layout faster at small batch: SmolLM2-135M's matmul chain at 16 rows took 127
-ms against 161 ms [in, out] (faster in 15 of 15 paired rounds), at one row 41 against 45 (11
-of 15), at 64 rows the same (5 of 15): `python -m experiments.weight_layout --rounds 15`,
-results/weight_layout.json. The decoder then runs its
+dots read that layout faster at small batch: SmolLM2-135M's matmul chain at 16 rows took 108
+ms against 128 ms [in, out], at 32 rows 132 against 171 (faster in 15 of 15 paired rounds
+each), at 64 and 128 rows about the same (results/weight_layout.json, `python -m
+experiments.weight_layout --batches 1 16 32 64 128 --rounds 15`). The decoder then runs its
 layers unrolled: under a
 `lax.scan`, XLA:CPU copies each layer's weights out of the stacked arrays before every dot
 (slower at every batch size we tried on SmolLM2-135M; no results file keeps the ratio);
