@@ -205,12 +205,13 @@ def offline(model: str | None, items) -> dict:
 
 
 def sweep(proc, url: str, model: str, tok, a, server: str) -> list[dict]:
-    """Warm-up passes (the whole workload at once, then 16 other requests arriving one by one
+    """Warm-up passes (the whole workload at once, then up to 16 others arriving one by one
     at 2 per second: the step shapes of bursts and of lone prompts compile before anything is
     measured), then each rate; stops `proc` (if any) at the end."""
     rows = []
     try:
-        for n, rate, seed in ((a.requests, float("inf"), a.seed), (16, 2.0, a.seed + 1)):
+        for n, rate, seed in ((a.requests, float("inf"), a.seed),
+                              (min(16, a.requests), 2.0, a.seed + 1)):
             warm = make_workload("sharegpt", n, rate, tok, seed=seed, scale=a.scale,
                                  max_model_len=512)
             asyncio.run(run_rate(url, model, warm, a.timeout))
