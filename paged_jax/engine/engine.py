@@ -153,8 +153,8 @@ class Engine:
         """The device outputs of the step in flight (async scheduling) when a request arriving
         before it ends could join the next step (a free slot, nobody waiting); else None.
 
-        A server waits for these (or an arrival) before planning: planned at once, the next
-        step would already be queued behind this one when a request arrives, and the request
+        A server waits for these to be ready before planning: planned at once, the next step
+        would already be queued behind this one when a request arrives, and the request
         would wait for both (a whole step more to its first token than sync scheduling).
         """
         if self._in_flight is None or self.scheduler.waiting:

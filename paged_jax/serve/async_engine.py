@@ -191,7 +191,7 @@ class AsyncEngine:
         tick = next(self._ticks)
         self._watched.put((tick, out))
         while not self._stop.is_set() and (cmd := self._inbox.get()) != ("ready", tick):
-            self._apply(cmd)  # a tick of an earlier step is a no-op
+            self._apply(cmd)  # an add or abort (a stale tick, after a stop, is a no-op)
 
     def _watch(self) -> None:
         """Watcher thread: puts ("ready", tick) in the inbox when the watched outputs are."""
