@@ -220,28 +220,39 @@ def limits(parts, rows: dict, work: dict) -> dict:
     return out
 
 
-def chain_seconds(params, batch: int, repeats: int = 10) -> float:
-    """The model's matmuls alone at `batch` rows in XLA (no attention, norms or sampling),
-    best of `repeats`: what no engine on XLA:CPU can beat."""
+def matmul_chain(params, dot=None):
+    """(jitted chain(layers, head, x), head): the forward's matmuls alone (no attention, norms
+    or sampling) over runtime-form params; `dot(x, w)` runs each projection (default: the
+    runtime form's `linear`; experiments/weight_layout.py passes the other layout's)."""
     import jax
     import jax.numpy as jnp
 
     from paged_jax.models.llama import linear
 
-    layers, embed = params["layers"], params["embed"]
+    dot = dot or linear
+    qd = params["layers"][0]["wo"].shape[1]  # the o projection's input width, Q * D
     # the head as the forward runs it: x @ lm_head [E, V], or tied, the [V, E] embedding
     # contracted on E
     untied = "lm_head" in params
-    head = params["lm_head"] if untied else embed
+    head = params["lm_head"] if untied else params["embed"]
 
     def chain(layers, head, x):
-        for p in layers:  # runtime form: [out, in] projections
-            qkv = linear(x, p["w_qkv"])
-            x = x + linear(qkv[:, :p["wo"].shape[1]], p["wo"])
-            x = x + linear(jnp.split(linear(x, p["w_gate_up"]), 2, axis=-1)[0], p["w_down"])
+        for p in layers:
+            qkv = dot(x, p["w_qkv"])
+            x = x + dot(qkv[:, :qd], p["wo"])
+            x = x + dot(jnp.split(dot(x, p["w_gate_up"]), 2, axis=-1)[0], p["w_down"])
         return x @ head if untied else linear(x, head)
 
-    f = jax.jit(chain)
+    return jax.jit(chain), head
+
+
+def chain_seconds(params, batch: int, repeats: int = 10) -> float:
+    """The model's matmuls alone at `batch` rows in XLA (`matmul_chain`), best of `repeats`:
+    what no engine on XLA:CPU can beat."""
+    import jax.numpy as jnp
+
+    f, head = matmul_chain(params)
+    layers, embed = params["layers"], params["embed"]
     x = jnp.full((batch, embed.shape[1]), 0.01, embed.dtype)
     f(layers, head, x).block_until_ready()
     best = float("inf")

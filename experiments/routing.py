@@ -272,6 +272,7 @@ def targets(res: dict) -> dict:
     return {k: dict(value=v, bar=f"{op} {bound}", met=bool(ops[op](v, bound)))
             for k, (v, op, bound) in rows.items()}
 
+
 def show(res: dict) -> None:
     print(f"accuracy: {res['accuracy']}  cost: {res['cost']}")
     print(table(res["accuracy_by_family"], ["family", "items", "weak", "strong"]))

@@ -4,11 +4,12 @@ with w's) against [in, out] (`x @ w`), alternating, per batch size.
 
     python -m experiments.weight_layout [--model smollm2] [--batches 1 16 64] [--rounds 7]
 
-The chain is `experiments.bench.chain_seconds`'s: per layer q|k|v, o, gate|up and down
-projections, then the tied head; no attention, norms or sampling. Each round times one call of
-each layout (after a warm-up call each); reports the median and spread (half the range) of
-the rounds, the [in, out] time over the [out, in] time, and in how many rounds [out, in] was
-the faster (paired: both ran in the same round). Writes results/weight_layout.json.
+The chain is `experiments.bench.matmul_chain`: per layer q|k|v, o, gate|up and down
+projections, then the head as the forward runs it; no attention, norms or sampling. Each
+round times one call of each layout (after a warm-up call each); reports the median and
+spread (half the range) of the rounds, the [in, out] time over the [out, in] time, and in how
+many rounds [out, in] was the faster (paired: both ran in the same round). Writes
+results/weight_layout.json.
 """
 
 from __future__ import annotations
@@ -17,49 +18,33 @@ import argparse
 import statistics
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.bench import matmul_chain
 from experiments.common import save_json, table
 from paged_jax.models import load_model
-from paged_jax.models.llama import linear, prepare_params
-
-
-def chains(params: dict):
-    """(chain over [out, in] weights, chain over [in, out] weights, the two weight lists)."""
-    layers = params["layers"]
-    flipped = [{k: jnp.asarray(np.asarray(v).T) if v.ndim == 2 else v for k, v in p.items()}
-               for p in layers]
-
-    qd = layers[0]["wo"].shape[1]  # the o projection's input width, Q * D
-
-    def run(dot):
-        def chain(layers, embed, x):
-            for p in layers:
-                qkv = dot(x, p["w_qkv"])
-                x = x + dot(qkv[:, :qd], p["wo"])
-                x = x + dot(jnp.split(dot(x, p["w_gate_up"]), 2, axis=-1)[0], p["w_down"])
-            return linear(x, embed)
-        return jax.jit(chain)
-
-    return run(linear), run(lambda x, w: x @ w), layers, flipped
+from paged_jax.models.llama import prepare_params
 
 
 def measure(params: dict, batches: list[int], rounds: int) -> list[dict]:
-    out_in, in_out, layers, flipped = chains(params)
+    out_in, head = matmul_chain(params)
+    in_out, _ = matmul_chain(params, lambda x, w: x @ w)
+    layers = params["layers"]
+    flipped = [{k: jnp.asarray(np.asarray(v).T) if v.ndim == 2 else v for k, v in p.items()}
+               for p in layers]
     embed = params["embed"]
     sides = {"[out, in]": (out_in, layers), "[in, out]": (in_out, flipped)}
     rows = []
     for b in batches:
         x = jnp.full((b, embed.shape[1]), 0.01, embed.dtype)
         for f, ws in sides.values():
-            f(ws, embed, x).block_until_ready()
+            f(ws, head, x).block_until_ready()
         times = {k: [] for k in sides}
         for _ in range(rounds):
             for k, (f, ws) in sides.items():
                 t = time.perf_counter()
-                f(ws, embed, x).block_until_ready()
+                f(ws, head, x).block_until_ready()
                 times[k].append(time.perf_counter() - t)
         for k, ts in times.items():
             rows.append(dict(batch=b, layout=k, ms=1e3 * statistics.median(ts),

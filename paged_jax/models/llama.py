@@ -21,8 +21,8 @@ dots read that layout faster at small batch: SmolLM2-135M's matmul chain at 16 r
 ms against 128 ms [in, out], at 32 rows 132 against 171 (faster in 15 of 15 paired rounds
 each), at 64 and 128 rows about the same (results/weight_layout.json, `python -m
 experiments.weight_layout --batches 1 16 32 64 128 --rounds 15`). The decoder then runs its
-layers unrolled: under a
-`lax.scan`, XLA:CPU copies each layer's weights out of the stacked arrays before every dot
+layers unrolled: under a `lax.scan`, XLA:CPU copies each layer's weights out of the stacked
+arrays before every dot
 (slower at every batch size we tried on SmolLM2-135M; no results file keeps the ratio);
 fused projections mean fewer, wider dots. `forward` accepts either form (the checkpoint form
 is converted inside the traced function, at the cost of those copies on every call).
@@ -147,13 +147,15 @@ def prepare_params(params: Params) -> Params:
     """
     if isinstance(params["layers"], list | tuple):
         return params
-    host = jax.device_get(params)  # on the CPU a view, no copy
-    n = next(iter(host["layers"].values())).shape[0]
-    layers = [jax.device_put({k: np.ascontiguousarray(v) for k, v in fuse_layer(
-        {k: v[i] for k, v in host["layers"].items()}, np.concatenate).items()})
-              for i in range(n)]
-    rest = {k: v for k, v in params.items() if k != "layers"}
-    return {**rest, "layers": layers}
+    stacked = jax.device_get(params["layers"])  # on the CPU a view, no copy
+    n = next(iter(stacked.values())).shape[0]
+
+    def layer(i: int) -> Params:
+        fused = fuse_layer({k: v[i] for k, v in stacked.items()}, np.concatenate)
+        return jax.device_put({k: np.ascontiguousarray(v) for k, v in fused.items()})
+
+    return {**{k: v for k, v in params.items() if k != "layers"},
+            "layers": [layer(i) for i in range(n)]}
 
 
 def attention_block(

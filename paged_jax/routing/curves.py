@@ -29,11 +29,6 @@ def quality_by_count(y: np.ndarray, scores: np.ndarray) -> np.ndarray:
     return (y[:, 0].sum() + moved) / len(y)
 
 
-def quality_at(y: np.ndarray, scores: np.ndarray, share: float) -> float:
-    """Quality when the round(share * N) highest-scoring requests go to the strong model."""
-    return float(quality_by_count(y, scores)[int(round(share * len(y)))])
-
-
 def curves(y: np.ndarray, router_scores: np.ndarray, shares=SHARES) -> dict[str, list[dict]]:
     """Each policy's curve as [{strong_share, quality}, ...]."""
     acc_w, acc_s = y.mean(0)
