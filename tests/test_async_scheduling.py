@@ -248,3 +248,28 @@ def test_an_engine_with_no_room_or_a_queue_is_not_waited_for():
     eng.step()
     assert eng.step_to_wait_for() is None  # both slots taken, "c" waits
     run(eng, [])
+
+
+def test_shutdown_waits_for_the_step_being_watched():
+    """A daemon thread still inside a jax call at interpreter exit aborts the process
+    ("FATAL: exception not rethrown", seen in CI as a served CLI exiting with -6), so
+    shutdown returns only once the watcher has left the step it waits on."""
+    eng = engine(async_scheduling=True)
+    gate = _Gate()
+    eng.step_to_wait_for = lambda: gate if eng._in_flight is not None else None
+    served = AsyncEngine(eng)
+    loop = asyncio.new_event_loop()
+
+    async def submit():
+        return served.submit("a", GREEDY, "a")
+
+    try:
+        loop.run_until_complete(submit())
+        assert gate.waited.wait(30)
+        threading.Timer(0.3, gate.open.set).start()
+        served.shutdown()
+        assert gate.open.is_set(), "shutdown returned while the watcher was in the step"
+        assert not served._thread.is_alive() and not served._watcher.is_alive()
+    finally:
+        gate.open.set()
+        loop.close()

@@ -115,7 +115,8 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="paged-jax-engine", daemon=True)
         self._watched: queue.Queue = queue.Queue()  # (tick, device outputs) to wait for
         self._ticks = itertools.count()
-        threading.Thread(target=self._watch, name="paged-jax-watch", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch, name="paged-jax-watch", daemon=True)
+        self._watcher.start()
         self._thread.start()
 
     # ---- caller side -----------------------------------------------------------------------
@@ -153,11 +154,15 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stops the loop after its current step; open streams end with an error."""
+        """Stops the loop after its current step; open streams end with an error.
+
+        Joins both threads: a daemon thread still inside a jax call when the interpreter
+        exits is killed mid-C++ and aborts the process ("FATAL: exception not rethrown")."""
         self._stop.set()
         self._inbox.put(("wake",))
         self._thread.join(timeout)
         self._watched.put(None)
+        self._watcher.join(timeout)
 
     # ---- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
