@@ -6,6 +6,7 @@ the same terms, with the machine's limit on every row.
 
 Sides (each where installed; `make peers` builds vLLM's and llama.cpp's venvs):
   ours        paged-jax `LLM.generate`, float32 (its "auto" dtype on CPU)
+  ours-xla    the same with matmul_backend="xla" (XLA's dot instead of the C++ kernel)
   hf          transformers `generate()`, float32 and bfloat16, one static batch per run
   vllm        vLLM's CPU build (offline `LLM.generate`), float32 and bfloat16
   llamacpp    llama.cpp (llama-cpp-python) on the same GGUF, computing with its own weight
@@ -13,7 +14,8 @@ Sides (each where installed; `make peers` builds vLLM's and llama.cpp's venvs):
 
 Rows (chat prompts through the model's template, greedy, exactly T tokens each, EOS ignored):
   batch 1     1 prompt x 64 tokens        limit: bandwidth roofline (weights + K/V per token)
-  batch 16    16 prompts x 64 tokens      limit: the model's matmul chain at batch 16 (XLA)
+  batch 16    16 prompts x 64 tokens      limit: the model's matmul chain at batch 16 (the
+                                          faster of XLA's dot and the C++ kernel)
   batch 64    64 prompts x 64 tokens      limit: the matmul chain at batch 64
   prefix      16 prompts sharing a system prompt x 64 tokens, prefix caching on for paged-jax
               and vLLM (a warm-up run fills the cache; HF has none)
@@ -55,18 +57,23 @@ QUICK_ROWS = {"batch 1": (1, 8, False), "batch 16": (4, 8, False), "prefix": (4,
 
 
 class Ours:
-    """paged-jax, float32, with the shared limits (prefix caching per `caching`)."""
+    """paged-jax, float32, with the shared limits (prefix caching per `caching`); `matmul`
+    "xla" runs the projections on XLA's dot instead of the default C++ kernel (the kernel's
+    gain, measured in the same run)."""
 
-    def __init__(self, parts, caching: bool):
+    def __init__(self, parts, caching: bool, matmul: str | None = None):
         from paged_jax import LLM
 
-        self.name = "paged-jax float32" + (" +prefix cache" if caching else "")
-        self.llm = LLM(model_parts=parts, enable_prefix_caching=caching,
+        self.name = ("paged-jax float32" + (" +prefix cache" if caching else "")
+                     + (", XLA matmuls" if matmul == "xla" else ""))
+        self.llm = LLM(model_parts=parts, enable_prefix_caching=caching, matmul_backend=matmul,
                        kv_cache_memory=LIMITS["kv_cache_gib"] << 30,
                        **{k: v for k, v in LIMITS.items() if k != "kv_cache_gib"})
+        runner = self.llm.llm_engine.runner
         self.settings = dict(dtype="float32", enable_prefix_caching=caching,
                              decode_window=self.llm.engine_config.decode_window,
-                             attention_backend=self.llm.llm_engine.runner.cfg.backend, **LIMITS)
+                             attention_backend=runner.cfg.backend, matmul_backend=runner.matmul,
+                             **LIMITS)
         self.versions = {}
 
     def run(self, prompts: list[list[int]], tokens: int) -> dict:
@@ -129,6 +136,8 @@ def make_sides(names: list[str], model: str, parts) -> list:
     sides, py = [], lambda venv: ROOT / venv / "bin" / "python"
     if "ours" in names:
         sides += [Ours(parts, False), Ours(parts, True)]
+    if "ours-xla" in names:
+        sides.append(Ours(parts, False, matmul="xla"))
     if "hf" in names:
         pad = parts[2].eos_token_ids[0]
         sides += [HF(model, d, pad) for d in ("float32", "bfloat16")]
@@ -196,15 +205,19 @@ def _workload(tok, n: int, caching: bool) -> list[list[int]]:
 
 
 def limits(parts, rows: dict, work: dict) -> dict:
-    """Each row's machine limit in tok/s: the bandwidth roofline for batch 1, else the XLA
-    matmul chain at the row's batch."""
-    from paged_jax.models.llama import prepare_params
+    """Each row's machine limit in tok/s: the bandwidth roofline for batch 1, else the
+    model's matmul chain at the row's batch, on the faster of XLA's dot and the C++ kernel
+    (where it builds)."""
+    from paged_jax.engine.runner import matmul_backend
+    from paged_jax.models.llama import pack_params, prepare_params
     from paged_jax.study.metrics import kv_bytes_per_token, measure_bandwidth, weight_bytes
 
     config, params = parts[0], parts[1]
     bw = measure_bandwidth()
-    runtime = prepare_params(params)
-    steps: dict[int, float] = {}  # one chain per batch size (batch 16 and prefix share it)
+    forms = {"xla": prepare_params(params)}
+    if matmul_backend(None, forms["xla"]["embed"].dtype, 1) == "cpu":
+        forms["cpu"] = pack_params(forms["xla"])
+    steps: dict[int, dict] = {}  # one chain per batch size (batch 16 and prefix share it)
     out = {}
     for r, (n, tokens, _) in rows.items():
         if n == 1:
@@ -214,9 +227,10 @@ def limits(parts, rows: dict, work: dict) -> dict:
                           bytes_per_s=bw, bytes_per_token=per_token)
         else:
             if n not in steps:
-                steps[n] = chain_seconds(runtime, n)
-            step = steps[n]
-            out[r] = dict(kind="matmul chain", tok_s=n / step, step_ms=1e3 * step)
+                steps[n] = {k: chain_seconds(f, n) for k, f in forms.items()}
+            step = min(steps[n].values())
+            out[r] = dict(kind="matmul chain", tok_s=n / step, step_ms=1e3 * step,
+                          step_ms_by_matmul={k: 1e3 * v for k, v in steps[n].items()})
     return out
 
 
@@ -231,24 +245,21 @@ def matmul_chain(params, dot=None):
 
     dot = dot or linear
     qd = params["layers"][0]["wo"].shape[1]  # the o projection's input width, Q * D
-    # the head as the forward runs it: x @ lm_head [E, V], or tied, the [V, E] embedding
-    # contracted on E
-    untied = "lm_head" in params
-    head = params["lm_head"] if untied else params["embed"]
+    head = params.get("lm_head", params["embed"])  # [V, E] either way, as the forward runs it
 
     def chain(layers, head, x):
         for p in layers:
             qkv = dot(x, p["w_qkv"])
             x = x + dot(qkv[:, :qd], p["wo"])
             x = x + dot(jnp.split(dot(x, p["w_gate_up"]), 2, axis=-1)[0], p["w_down"])
-        return x @ head if untied else linear(x, head)
+        return linear(x, head)
 
     return jax.jit(chain), head
 
 
 def chain_seconds(params, batch: int, repeats: int = 10) -> float:
-    """The model's matmuls alone at `batch` rows in XLA (`matmul_chain`), best of `repeats`:
-    what no engine on XLA:CPU can beat."""
+    """The model's matmuls alone at `batch` rows (`matmul_chain`: XLA's dot, or the C++
+    kernel on packed params), best of `repeats`: what no engine with those matmuls can beat."""
     import jax.numpy as jnp
 
     f, head = matmul_chain(params)

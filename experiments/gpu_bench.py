@@ -101,7 +101,7 @@ def random_model(model: dict, dtype="bfloat16", seed: int = 0):
     params = {"embed": weight(shapes["embed"], stack=False),
               "final_norm": jnp.ones((config.hidden_size,), dt), "layers": layers}
     if not config.tie_word_embeddings:
-        params["lm_head"] = weight(shapes["lm_head"], stack=False).T
+        params["lm_head"] = weight(shapes["lm_head"], stack=False)
     return config, params
 
 

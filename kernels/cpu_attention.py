@@ -10,90 +10,35 @@
                                                                  group scales
 
 Same contract as `paged_jax.models.attention.paged_attention` (ragged rows, causal, zeros for
-padding tokens). The shared library is compiled on first use with the machine's g++ (flags
-below, `-march=native`) into a folder of the caller's choosing, keyed by a hash of the source,
-the flags, the JAX version and the CPU, so a rebuilt JAX or another CPU gets its own build.
-`python -m kernels.cpu_attention` builds it, checks it against the reference, and times both.
+padding tokens). The shared library is compiled on first use with the machine's g++
+(kernels/cpp_build.py). `python -m kernels.cpu_attention` builds it, checks it against the
+reference, and times both.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels import cpp_build
 from kernels.pages import PagesLike, as_pages
 
 SOURCE = Path(__file__).with_name("cpu_attention.cc")
 TARGET = "paged_jax_cpu_paged_attention"
 TARGET_QUANT = "paged_jax_cpu_paged_attention_quant"  # int8 / fp8 pages + f32 scales
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-fPIC")
-"""Compile flags. -ffast-math gives the vectorized exp; the link step below leaves it out,
-because g++ then links crtfastmath.o, which turns on flush-to-zero for the whole process
-(numpy, torch and XLA would all lose subnormal floats on loading the library)."""
-
-
-def default_folder() -> Path:
-    """The build folder paged-jax uses (paged_jax/compile_cache.py: `$PAGED_JAX_CACHE`, else
-    ~/.cache/paged_jax, then kernels/); repeated here so the lab runs without the library."""
-    root = os.environ.get("PAGED_JAX_CACHE") or Path.home() / ".cache" / "paged_jax"
-    return Path(root) / "kernels"
-
-
-def _cpu_id() -> str:
-    try:
-        return next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
-def library_path(folder: Path) -> Path:
-    """Where the build for this source, compiler flags, JAX and CPU lives in `folder`."""
-    key = hashlib.sha256("\n".join(
-        [SOURCE.read_text(), " ".join(FLAGS), jax.__version__, _cpu_id()]).encode())
-    return Path(folder) / f"cpu_attention-{key.hexdigest()[:16]}.so"
-
-
-def build(folder: Path) -> Path:
-    """Compiles the kernel into `folder` unless already built; returns the library's path.
-
-    Raises:
-      RuntimeError: no C++ compiler, or the compilation failed (its output in the message).
-    """
-    out = library_path(folder)
-    if out.is_file():
-        return out
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (g++) found to build the CPU attention kernel")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # concurrent builds don't clash
-        obj, part = Path(tmp) / "kernel.o", Path(tmp) / out.name
-        for cmd in ([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", str(SOURCE), "-o", str(obj)],
-                    [cxx, "-shared", str(obj), "-o", str(part)]):
-            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if res.returncode != 0:
-                raise RuntimeError(f"building the CPU attention kernel failed:\n"
-                                   f"{' '.join(cmd)}\n{res.stderr[-4000:]}")
-        os.replace(part, out)  # atomic: a reader never sees half a library
-    return out
 
 
 @functools.cache
 def load(folder: str) -> bool:
     """Builds (if needed) and registers the kernel with XLA; False when it cannot be built."""
     try:
-        lib = ctypes.cdll.LoadLibrary(str(build(Path(folder))))
+        lib = ctypes.cdll.LoadLibrary(str(cpp_build.build(SOURCE, Path(folder),
+                                                          "CPU attention kernel")))
     except (RuntimeError, OSError) as err:
         import warnings
 
@@ -139,7 +84,7 @@ def main() -> None:
 
     from kernels.reference import ragged_reference
 
-    assert load(str(default_folder())), "the kernel did not build"
+    assert load(str(cpp_build.default_folder())), "the kernel did not build"
     rng = np.random.default_rng(0)
     h, g, d, k, n, rows = 3, 3, 64, 16, 2400, 64
     lens = rng.integers(40, 170, rows).astype(np.int32)

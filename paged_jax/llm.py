@@ -109,6 +109,8 @@ class LLM:
       preemption_mode: "recompute" or "swap".
       decode_window: decode steps per device call when only decodes run.
       attention_backend: "reference", "pallas" or "cpu"; None picks by platform.
+      matmul_backend: "cpu" (the C++ CPU matmul kernel on packed weights; float32, one
+        device) or "xla"; None: "cpu" where it applies (EngineConfig.matmul_backend).
       max_logprobs: the most logprobs a request may ask for.
       enable_prefix_caching: reuse cached KV blocks of shared prompt prefixes (vLLM default).
       tokenizer: a Hugging Face folder (its tokenizer.json) whose tokenizer replaces the
@@ -142,7 +144,8 @@ class LLM:
         kv_cache_memory: int = 1 << 30, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
         max_model_len: int | None = None, dtype: str = "auto", seed: int = 0,
         preemption_mode: str = "recompute", decode_window: int = 8,
-        attention_backend: str | None = None, max_logprobs: int = 20, model_parts=None,
+        attention_backend: str | None = None, matmul_backend: str | None = None,
+        max_logprobs: int = 20, model_parts=None,
         enable_prefix_caching: bool = True, tokenizer: str | None = None,
         swap_space: float = 4, gpu_memory_utilization: float | None = None,
         kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
@@ -180,7 +183,8 @@ class LLM:
             block_size=block_size, num_kv_blocks=int(num_kv_blocks), max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             preemption_mode=preemption_mode, decode_window=decode_window,
-            backend=attention_backend, max_logprobs=max_logprobs, seed=seed,
+            backend=attention_backend, matmul_backend=matmul_backend,
+            max_logprobs=max_logprobs, seed=seed,
             enable_prefix_caching=enable_prefix_caching, swap_space=int(swap_space * (1 << 30)),
             kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size,
             static_shapes=static_shapes, async_scheduling=async_scheduling,

@@ -28,7 +28,7 @@ def check(out, ids: list[int]) -> None:
     config, params, _ = model()
     h = out.hidden_states
     assert h is not None and h.shape == (config.hidden_size,) and h.dtype == np.float32
-    np.testing.assert_allclose(h @ np.asarray(params["lm_head"], np.float32),
+    np.testing.assert_allclose(h @ np.asarray(params["lm_head"], np.float32).T,
                                dense_last_logits(ids), atol=2e-4, rtol=1e-4)
 
 

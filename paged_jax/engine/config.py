@@ -22,6 +22,9 @@ class EngineConfig:
       preemption_mode: "recompute" or "swap".
       decode_window: decode steps per device call when only decodes run (1 = every step).
       backend: attention backend; None picks by platform.
+      matmul_backend: "cpu" (projections and LM head packed for the C++ CPU matmul kernel,
+        kernels/cpu_matmul.py: float32 on one CPU device) or "xla" (XLA's dot); None: "cpu"
+        where it applies and builds.
       max_logprobs: the most top logprobs a request may ask for (static).
       seed: engine seed, used for requests without their own.
       enable_prefix_caching: reuse cached full blocks across requests (prefix_cache.py).
@@ -58,6 +61,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     decode_window: int = 8
     backend: str | None = None
+    matmul_backend: str | None = None
     max_logprobs: int = 0
     seed: int = 0
     enable_prefix_caching: bool = True
@@ -84,6 +88,9 @@ class EngineConfig:
                      "max_model_len", "decode_window", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.matmul_backend not in (None, "cpu", "xla"):
+            raise ValueError(f"matmul_backend must be 'cpu' or 'xla' (or None: by platform), "
+                             f"got {self.matmul_backend!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0 = no cap), "
                              f"got {self.long_prefill_token_threshold}")

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels import cpu_matmul
 from paged_jax import compile_cache
 from paged_jax.cache import kv_cache as kv_lib
 from paged_jax.cache import kv_quant
@@ -42,7 +43,7 @@ from paged_jax.engine.step import run_step
 from paged_jax.engine.window import decode_window
 from paged_jax.models import ModelConfig, Params, parallel
 from paged_jax.models.attention import default_backend
-from paged_jax.models.llama import prepare_params
+from paged_jax.models.llama import pack_params, prepare_params
 from paged_jax.sample import sampler as smp
 from paged_jax.types import Array, Bool, Int
 
@@ -130,6 +131,24 @@ def _restore(
     return pool, table, kv_lib.write_blocks(cache, table.block_tables[slot], *parts), ok
 
 
+def matmul_backend(requested: str | None, dtype, tensor_parallel_size: int) -> str:
+    """The projections' matmul (EngineConfig.matmul_backend): "cpu" (packed C++ kernel)
+    where it applies (a CPU platform, float32, one device) and builds, else "xla".
+
+    Raises:
+      ValueError: "cpu" asked for where it does not apply or did not build.
+    """
+    if requested == "xla":
+        return "xla"
+    fits = (jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
+            and tensor_parallel_size == 1)
+    built = fits and cpu_matmul.load(str(compile_cache.kernel_folder()))
+    if requested == "cpu" and not built:
+        raise ValueError("matmul_backend='cpu' needs float32 weights on one CPU device and "
+                         "its C++ kernel (kernels/cpu_matmul.py) built; use 'xla'")
+    return "cpu" if built else "xla"
+
+
 class Runner:
     """Parameters and device state of one engine, and the calls that change them.
 
@@ -143,6 +162,8 @@ class Runner:
     def __init__(self, model: ModelConfig, params: Params, ec: EngineConfig):
         self.model, self.config = model, ec
         kv_dtype = kv_quant.storage_dtype(ec.kv_cache_dtype, jax.tree.leaves(params)[0].dtype)
+        self.matmul = matmul_backend(ec.matmul_backend, jax.tree.leaves(params)[0].dtype,
+                                     ec.tensor_parallel_size)
         params = prepare_params(params)  # the forward's fast layout, built once
         self.mesh, kv_heads = None, model.num_kv_heads
         if ec.tensor_parallel_size > 1:
@@ -155,6 +176,8 @@ class Runner:
             books, pages = parallel.replicated(self.mesh), parallel.by_head(self.mesh)
         else:
             books = pages = parallel.devices(1, ec.first_device)[0]
+            if self.matmul == "cpu":
+                params = pack_params(params)
             params = jax.device_put(params, books)  # no-op on device 0
         self.params, cc = params, ec.cache
         self.block_bytes = kv_lib.kv_cache_bytes(model.num_layers, kv_heads, cc.block_size,

@@ -134,7 +134,7 @@ def specs(params: dict) -> dict:
     out = {k: P() for k in params if k != "layers"}
     out["embed"] = P(AXIS, None)
     if "lm_head" in params:
-        out["lm_head"] = P(None, AXIS)
+        out["lm_head"] = P(AXIS, None)
     out["layers"] = [layer(p) for p in params["layers"]]
     return out
 
@@ -146,7 +146,7 @@ def shard_params(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
     out = {**host, "layers": [_layer(p, config, lay) for p in host["layers"]]}
     out["embed"] = _pad_vocab(host["embed"], 0, lay.vocab)
     if "lm_head" in host:
-        out["lm_head"] = _pad_vocab(host["lm_head"], 1, lay.vocab)
+        out["lm_head"] = _pad_vocab(host["lm_head"], 0, lay.vocab)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(out),
                              is_leaf=lambda x: isinstance(x, P))
     return jax.device_put(out, shardings)

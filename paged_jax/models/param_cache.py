@@ -33,7 +33,7 @@ from paged_jax.models.config import ModelConfig
 from paged_jax.models.llama import Params
 from paged_jax.models.tokenizer import Tokenizer, load_saved_tokenizer, save_tokenizer
 
-FORMAT_VERSION = 3  # 3: GGUF stop ids include end-of-generation control tokens
+FORMAT_VERSION = 4  # 3: GGUF stop ids include end-of-generation control tokens; 4: lm_head [V, E]
 _MIB = 1 << 20
 
 

@@ -83,5 +83,5 @@ def build_params(
         "layers": layers,
     }
     if not config.tie_word_embeddings:
-        params["lm_head"] = jnp.asarray(need("lm_head", "lm_head").T, dtype)
+        params["lm_head"] = jnp.asarray(need("lm_head", "lm_head"), dtype)
     return params

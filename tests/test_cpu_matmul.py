@@ -1,0 +1,91 @@
+"""kernels/cpu_matmul: the packed C++ matmul against float64 numpy, and the engine on it
+against the engine on XLA's dot."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import cpu_matmul
+from paged_jax import compile_cache
+from paged_jax.cache.kv_cache import init_kv_cache
+from paged_jax.engine import EngineConfig
+from paged_jax.engine.runner import matmul_backend
+from paged_jax.models.llama import forward, linear, pack_params, prepare_params
+from paged_jax.models.testing import random_params, tiny_config
+from tests.engine_helpers import GREEDY, engine, prompts, run, tokens
+
+pytestmark = pytest.mark.skipif(not cpu_matmul.load(str(compile_cache.kernel_folder())),
+                                reason="no C++ compiler on this machine: the kernel cannot build")
+
+
+@pytest.mark.parametrize("m, k, n", [
+    (1, 8, 16), (5, 7, 40), (6, 64, 33), (16, 576, 960), (97, 24, 130), (200, 40, 16 * 9 + 1)])
+def test_matmul_matches_float64(m, k, n):
+    """Rows not a multiple of the micro-kernel's 6 or the task's 96, columns not a multiple of
+    the panel's 16 (the last panel is partial), odd K; inside jit, as the forward runs it."""
+    rng = np.random.default_rng(m * n + k)
+    x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((n, k), np.float32)
+    got = np.asarray(jax.jit(linear)(jnp.asarray(x), cpu_matmul.pack(w)))
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    assert got.shape == (m, n) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+def test_pack_keeps_every_weight_and_pads_with_zeros():
+    w = np.arange(40 * 3, dtype=np.float32).reshape(40, 3)
+    p = cpu_matmul.pack(w)
+    assert p.panels.shape == (3, 3, 16) and p.shape == (40, 3)
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.unpack(p)), w)
+    assert not np.asarray(p.panels)[2, :, 8:].any()  # columns 40..47 pad
+    ids = jnp.asarray([0, 17, 39, 16, 5])
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.rows(p, ids)), w[np.asarray(ids)])
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_packed_params_give_the_same_logits(tied):
+    """pack_params packs every projection and the head (a tied head in place of the
+    embedding, whose lookup then reads the panels); the forward's logits do not move."""
+    config = tiny_config(tie_word_embeddings=tied)
+    params = prepare_params(random_params(config))
+    packed = pack_params(params)
+    assert ("lm_head" in packed) != tied
+    head = packed["embed"] if tied else packed["lm_head"]
+    assert isinstance(head, cpu_matmul.Packed)
+    assert all(isinstance(p[w], cpu_matmul.Packed) for p in packed["layers"]
+               for w in ("w_qkv", "wo", "w_gate_up", "w_down"))
+    t = 5
+    args = (jnp.arange(t, dtype=jnp.int32) + 3, jnp.arange(t, dtype=jnp.int32),
+            jnp.arange(t, dtype=jnp.int32) + config.head_dim,  # block 1 onwards (0: zero block)
+            jnp.asarray([[1, 2]], jnp.int32), jnp.asarray([t], jnp.int32),
+            jnp.asarray([0, t], jnp.int32))
+    fwd = jax.jit(lambda p, c: forward(p, c, *args, config=config, max_q=t, all_logits=True))
+
+    def logits(p):
+        cache = init_kv_cache(config.num_layers, config.num_kv_heads, 4, config.head_dim,
+                              config.head_dim, jnp.float32)
+        return np.asarray(fwd(p, cache)[0])
+
+    np.testing.assert_allclose(logits(packed), logits(params), rtol=1e-5, atol=1e-5)
+
+
+def test_engine_tokens_equal_on_packed_and_xla_matmuls():
+    """Prefill chunks, decode windows and preemption: the same greedy tokens either way."""
+    reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(6))]
+    engines = {b: engine(matmul_backend=b, num_kv_blocks=16) for b in ("cpu", "xla")}
+    assert engines["cpu"].runner.matmul == "cpu" and engines["xla"].runner.matmul == "xla"
+    outs = {b: run(e, reqs) for b, e in engines.items()}
+    for i in range(6):
+        assert tokens(outs["cpu"], str(i)) == tokens(outs["xla"], str(i)), f"prompt {i}"
+
+
+def test_matmul_backend_is_chosen_and_checked():
+    assert matmul_backend(None, jnp.float32, 1) == "cpu"
+    assert matmul_backend(None, jnp.bfloat16, 1) == "xla"  # the kernel is float32
+    assert matmul_backend("xla", jnp.float32, 1) == "xla"
+    with pytest.raises(ValueError, match="float32 weights on one CPU device"):
+        matmul_backend("cpu", jnp.bfloat16, 1)
+    with pytest.raises(ValueError, match="matmul_backend must be"):
+        EngineConfig(matmul_backend="onednn")
