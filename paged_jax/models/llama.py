@@ -50,6 +50,7 @@ import numpy as np
 from kernels import cpu_matmul
 from kernels.cpu_matmul import Packed
 from kernels.pages import Pages
+from paged_jax import compile_cache
 from paged_jax.cache import kv_cache as kv_lib
 from paged_jax.cache import kv_quant
 from paged_jax.cache.kv_cache import KVCache
@@ -172,7 +173,13 @@ def pack_params(params: Params) -> Params:
     """Runtime-form params with every projection and the LM head packed for the C++ CPU
     matmul kernel (kernels/cpu_matmul.py; float32, one device). A tied head packs the
     embedding itself, and the lookup reads rows back from its panels: one copy, not two.
-    Idempotent; each weight is packed on the host, then the unpacked one is dropped."""
+    Idempotent; each weight is packed on the host, then the unpacked one is dropped.
+
+    Raises:
+      RuntimeError: the kernel did not build (no C++ compiler, say).
+    """
+    if not cpu_matmul.load(str(compile_cache.kernel_folder())):
+        raise RuntimeError("the CPU matmul kernel did not build (see the warning above)")
     params = prepare_params(params)
     head = "lm_head" if "lm_head" in params else "embed"
     pack = lambda w: w if isinstance(w, Packed) else cpu_matmul.pack(w)  # noqa: E731
