@@ -1,7 +1,8 @@
 """`make bench`: paged-jax beside what a user would pick instead, every side in one run, on
 the same terms, with the machine's limit on every row.
 
-    python -m experiments.bench [--model smollm2] [--rounds 3] [--sides ours hf vllm llamacpp]
+    python -m experiments.bench [--model smollm2] [--rounds 3]
+                                [--sides ours ours-xla hf vllm llamacpp]
                                 [--quick]
 
 Sides (each where installed; `make peers` builds vLLM's and llama.cpp's venvs):
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--sides", nargs="+", default=["ours", "hf", "vllm", "llamacpp"])
+    ap.add_argument("--sides", nargs="+", default=["ours", "ours-xla", "hf", "vllm", "llamacpp"])
     ap.add_argument("--rows", nargs="+", default=list(ROWS),
                     help=f"rows to run, of {list(ROWS) + list(EXTRA_ROWS)}")
     ap.add_argument("--name", default=None, help="results file name (default: bench[_MODEL])")

@@ -110,11 +110,13 @@ def summarize(rate: float, res: list[dict], wall: float) -> dict:
 
 
 SPLIT = {"queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds"}
+BUILDS = ("paged_jax:xla_programs_built", "paged_jax:xla_build_seconds")  # paged-jax only
 
 
 def scrape(url: str) -> dict[str, float]:
     """The _sum and _count of the TTFT-split histograms on the server's /metrics (vLLM and
-    paged-jax export them under the same names), summed over labels."""
+    paged-jax export them under the same names), summed over labels, and paged-jax's count
+    of XLA programs built (a program built while measuring is a compile in the timings)."""
     import httpx
 
     got: dict[str, float] = {}
@@ -124,15 +126,17 @@ def scrape(url: str) -> dict[str, float]:
         return got  # no split for this rate, the run goes on
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if any(name in (h + "_sum", h + "_count") for h in SPLIT.values()):
+        if name in BUILDS or any(name in (h + "_sum", h + "_count") for h in SPLIT.values()):
             got[name] = got.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return got
 
 
-def ttft_split(before: dict, after: dict) -> dict:
+def server_split(before: dict, after: dict) -> dict:
     """Mean queueing and prefill time (ms) of the requests finished between two scrapes,
-    as the server measured them."""
-    out = {}
+    as the server measured them, and the XLA programs paged-jax built meanwhile (None for
+    vLLM)."""
+    built = (after[BUILDS[0]] - before[BUILDS[0]]) if BUILDS[0] in after else None
+    out: dict = dict(programs_built=built)
     for key, h in SPLIT.items():
         n = after.get(h + "_count", 0) - before.get(h + "_count", 0)
         total = after.get(h + "_sum", 0) - before.get(h + "_sum", 0)
@@ -207,14 +211,19 @@ def offline(model: str | None, items) -> dict:
 def sweep(proc, url: str, model: str, tok, a, server: str) -> list[dict]:
     """Warm-up passes (the whole workload at once, then up to 16 others arriving one by one
     at 2 per second: the step shapes of bursts and of lone prompts compile before anything is
-    measured), then each rate; stops `proc` (if any) at the end."""
+    measured; each pass repeats, at most 3 times, while paged-jax reports programs built in
+    it), then each rate; stops `proc` (if any) at the end."""
     rows = []
     try:
         for n, rate, seed in ((a.requests, float("inf"), a.seed),
                               (min(16, a.requests), 2.0, a.seed + 1)):
             warm = make_workload("sharegpt", n, rate, tok, seed=seed, scale=a.scale,
                                  max_model_len=512)
-            asyncio.run(run_rate(url, model, warm, a.timeout))
+            for _ in range(3):
+                before = scrape(url)
+                asyncio.run(run_rate(url, model, warm, a.timeout))
+                if not server_split(before, scrape(url))["programs_built"]:
+                    break  # none built (or vLLM, which does not say)
         for rate in a.rates:
             items = make_workload("sharegpt", a.requests, rate, tok, seed=a.seed,
                                   scale=a.scale, max_model_len=512, cv=a.cv)
@@ -222,7 +231,7 @@ def sweep(proc, url: str, model: str, tok, a, server: str) -> list[dict]:
             res = asyncio.run(run_rate(url, model, items, a.timeout))
             wall = time.perf_counter() - t0
             rows.append(dict(server=server, **summarize(rate, res, wall),
-                             **ttft_split(before, scrape(url))))
+                             **server_split(before, scrape(url))))
             print(table(rows[-1:], COLUMNS), flush=True)
     finally:
         if proc is not None:
@@ -307,7 +316,8 @@ def main(argv: list[str] | None = None, name: str = "bench_serving") -> dict:
 
 COLUMNS = ["server", "rate", "sent", "done", "refused_503", "failed", "lost", "request_throughput",
            "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
-           "queue_mean_ms", "prefill_mean_ms", "itl_p50_ms", "itl_p99_ms", "chunk_tokens_mean"]
+           "queue_mean_ms", "prefill_mean_ms", "itl_p50_ms", "itl_p99_ms", "chunk_tokens_mean",
+           "programs_built"]
 
 if __name__ == "__main__":
     main()

@@ -51,6 +51,25 @@ def test_models_health_metrics_and_completions():
         assert metric(text, "vllm:num_requests_running") == 0
 
 
+def test_metrics_count_the_xla_programs_built():
+    """paged_jax:xla_programs_built counts programs built in the process (a new jitted
+    function adds one), and a request whose shapes were served before builds none."""
+    import jax
+    import jax.numpy as jnp
+
+    built = lambda: metric(httpx.get(srv.url + "/metrics", timeout=10).text,  # noqa: E731
+                           "paged_jax:xla_programs_built")
+    with serve() as srv:
+        c = client(srv)
+        before = built()
+        jax.jit(lambda x: x * 3.25 + 1.5)(jnp.ones(7)).block_until_ready()
+        assert built() >= before + 1
+        c.completions.create(model=MODEL, prompt="same shapes", **GREEDY)
+        warm = built()
+        c.completions.create(model=MODEL, prompt="same shapes", **GREEDY)
+        assert built() == warm, "a request met shapes the first one compiled, yet built"
+
+
 def test_streamed_equals_whole_and_usage_comes_last():
     with serve() as srv:
         c = client(srv)

@@ -10,7 +10,9 @@ has one registry; `for_model` gives each model's view, labelled with its name.
 from __future__ import annotations
 
 import copy
+import threading
 
+import jax
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from paged_jax.engine import Engine
@@ -18,6 +20,33 @@ from paged_jax.outputs import RequestOutput
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _TPOT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+
+
+class _Compiles:
+    """Programs XLA built in this process (compiled, or loaded from the persistent cache) and
+    the seconds they took: JAX reports each under its backend-compile event. Process-wide,
+    like the compilation itself; a listener is registered once, on first use."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count, self.seconds, self._lock = 0, 0.0, threading.Lock()
+        jax.monitoring.register_event_duration_secs_listener(self._record)
+
+    def _record(self, event: str, duration: float, **_) -> None:
+        if event == self.EVENT:
+            with self._lock:
+                self.count, self.seconds = self.count + 1, self.seconds + duration
+
+
+_compiles: _Compiles | None = None
+
+
+def compiles() -> _Compiles:
+    global _compiles
+    if _compiles is None:
+        _compiles = _Compiles()
+    return _compiles
 
 
 class ServerMetrics:
@@ -58,6 +87,12 @@ class ServerMetrics:
         self.routed = Counter("paged_jax:routed_requests",
                               'Requests of the "auto" model, by the model that served them',
                               labelnames=["model_name", "routed_to"], registry=r)
+        # a server compiles while it serves when a step meets a shape warm-up did not
+        c = compiles()
+        Gauge("paged_jax:xla_programs_built", "XLA programs compiled or loaded from the "
+              "persistent cache by this process", registry=r).set_function(lambda: c.count)
+        Gauge("paged_jax:xla_build_seconds", "Seconds this process spent building XLA programs",
+              registry=r).set_function(lambda: c.seconds)
         self.model = model_name
 
     def for_model(self, model_name: str) -> ServerMetrics:
