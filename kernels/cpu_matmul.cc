@@ -17,6 +17,13 @@
 //     for each panel p in the run
 //       for each 6 rows of the MC                          micro-kernel, 6 x 16 tile
 //
+// Int8 weights (PackedMatmulInt8): panels hold int8 values and scales [P, K / G, 16] one
+// float32 scale per column and group of G consecutive k. A task decodes each of its panels
+// once into a float32 buffer (L2-sized: 16 x K floats) and runs the float micro-kernel on
+// it for every row of x, so the weights cross memory at a quarter of float32's bytes and the
+// decode is shared by all rows. (Decoding inside the micro-kernel, per k, made it 3-5x
+// slower than float32: the group's scale index and the conversions sat on the FMA path.)
+//
 // Written with GCC vector extensions, not intrinsics: the same source builds wherever g++
 // does; on x86 with -march=native it compiles to AVX2 / AVX-512VL FMAs.
 
@@ -25,6 +32,11 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -38,9 +50,21 @@ constexpr int64_t kMC = 96;   // rows of x per task (a multiple of kMR)
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads / stores
+typedef int8_t b8 __attribute__((vector_size(8), aligned(1)));
 
 inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 inline void store(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
+
+// 8 int8 -> 8 float32. GCC 12 scalarizes __builtin_convertvector from bytes (a movsx and a
+// cvtsi2ss per value: int8 ran 5x slower than float32), so x86 gets the AVX2 instructions.
+inline v8 decode8(const int8_t* p) {
+#ifdef __AVX2__
+  return (v8)_mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  return __builtin_convertvector(*reinterpret_cast<const b8*>(p), v8);
+#endif
+}
 
 // y[0..mr, 0..cols) = x[0..mr, :] . panel, for mr <= kMR rows and cols <= kNR columns. The
 // accumulators are named variables: GCC keeps an array of vectors in memory (a store per FMA).
@@ -74,6 +98,54 @@ void micro(const float* x, int64_t K, const float* panel, float* y, int64_t ldy,
     for (int i = 0; i < MR; ++i) std::memcpy(y + i * ldy, tile[i], cols * sizeof(float));
 }
 
+// One row (batch-1 decode): four accumulator pairs over interleaved k. With one pair every
+// FMA waits for the one before (4 cycles) and the row ran at a quarter of the FMA rate.
+void micro_row(const float* x, int64_t K, const float* panel, float* y, int64_t cols) {
+  const v8 zero = {};
+  v8 a0 = zero, a1 = zero, b0 = zero, b1 = zero, c0 = zero, c1 = zero, d0 = zero, d1 = zero;
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+    const float* p = panel + k * kNR;
+    a0 += x[k] * load(p), a1 += x[k] * load(p + 8);
+    b0 += x[k + 1] * load(p + 16), b1 += x[k + 1] * load(p + 24);
+    c0 += x[k + 2] * load(p + 32), c1 += x[k + 2] * load(p + 40);
+    d0 += x[k + 3] * load(p + 48), d1 += x[k + 3] * load(p + 56);
+  }
+  for (; k < K; ++k) a0 += x[k] * load(panel + k * kNR), a1 += x[k] * load(panel + k * kNR + 8);
+  float tile[kNR];
+  store(tile, (a0 + b0) + (c0 + d0));
+  store(tile + 8, (a1 + b1) + (c1 + d1));
+  std::memcpy(y, tile, cols * sizeof(float));
+}
+
+// One row against an int8 panel, decoded in registers: for a single row the float buffer of
+// run_task would cost more traffic (4 bytes written and read per weight) than it saves.
+void micro_row_int8(const float* x, int64_t K, const int8_t* q, const float* scales,
+                    int64_t group, float* y, int64_t cols) {
+  const v8 zero = {};
+  v8 a0 = zero, a1 = zero, b0 = zero, b1 = zero;
+  for (int64_t g = 0; g < K; g += group, scales += kNR) {
+    v8 s0 = zero, s1 = zero, t0 = zero, t1 = zero;  // the group's sums, scaled once at its end
+    int64_t k = g;
+    for (; k + 2 <= g + group; k += 2) {
+      const int8_t* p = q + k * kNR;
+      s0 += x[k] * decode8(p);
+      s1 += x[k] * decode8(p + 8);
+      t0 += x[k + 1] * decode8(p + 16);
+      t1 += x[k + 1] * decode8(p + 24);
+    }
+    for (; k < g + group; ++k) {
+      s0 += x[k] * decode8(q + k * kNR);
+      s1 += x[k] * decode8(q + k * kNR + 8);
+    }
+    a0 += (s0 + t0) * load(scales), a1 += (s1 + t1) * load(scales + 8);
+  }
+  float tile[kNR];
+  store(tile, a0 + b0);
+  store(tile + 8, a1 + b1);
+  std::memcpy(y, tile, cols * sizeof(float));
+}
+
 void rows_block(int64_t mr, const float* x, int64_t K, const float* panel, float* y,
                 int64_t ldy, int64_t cols) {
   switch (mr) {
@@ -82,26 +154,53 @@ void rows_block(int64_t mr, const float* x, int64_t K, const float* panel, float
     case 4: return micro<4>(x, K, panel, y, ldy, cols);
     case 3: return micro<3>(x, K, panel, y, ldy, cols);
     case 2: return micro<2>(x, K, panel, y, ldy, cols);
-    default: return micro<1>(x, K, panel, y, ldy, cols);
+    default: return micro_row(x, K, panel, y, cols);
   }
 }
 
 struct Problem {
   int64_t M, K, N, P;
   const float* x;
-  const float* panels;
+  const void* panels;  // float or int8_t
+  const float* scales;  // int8 panels only: [P, K / group, 16]
+  int64_t group;
   float* y;
   int64_t panels_per_task, panel_tasks;
+
+  // Panel p as float32: in place, or int8 decoded into `buf` ([K, 16]).
+  const float* panel(int64_t p, std::vector<float>& buf) const {
+    if (scales == nullptr) return static_cast<const float*>(panels) + p * K * kNR;
+    buf.resize(K * kNR);
+    const int8_t* q = static_cast<const int8_t*>(panels) + p * K * kNR;
+    const float* s = scales + p * (K / group) * kNR;
+    float* out = buf.data();
+    for (int64_t g = 0; g < K; g += group, s += kNR) {  // scales held for the group
+      const v8 s0 = load(s), s1 = load(s + 8);
+      for (int64_t i = g * kNR; i < (g + group) * kNR; i += kNR) {
+        store(out + i, decode8(q + i) * s0);
+        store(out + i + 8,
+              decode8(q + i + 8) * s1);
+      }
+    }
+    return out;
+  }
 };
 
 // Task t: rows [MC * (t / panel_tasks), ...) of x against a run of panels.
-void run_task(const Problem& pb, int64_t t) {
+void run_task(const Problem& pb, int64_t t, std::vector<float>& buf) {
   const int64_t m0 = kMC * (t / pb.panel_tasks);
   const int64_t p0 = pb.panels_per_task * (t % pb.panel_tasks);
   const int64_t m1 = std::min(pb.M, m0 + kMC), p1 = std::min(pb.P, p0 + pb.panels_per_task);
   for (int64_t p = p0; p < p1; ++p) {
-    const float* panel = pb.panels + p * pb.K * kNR;
     const int64_t cols = std::min(kNR, pb.N - p * kNR);
+    if (pb.scales != nullptr && m1 - m0 == 1) {
+      micro_row_int8(pb.x + m0 * pb.K, pb.K,
+                     static_cast<const int8_t*>(pb.panels) + p * pb.K * kNR,
+                     pb.scales + p * (pb.K / pb.group) * kNR, pb.group, pb.y + m0 * pb.N + p * kNR,
+                     cols);
+      continue;
+    }
+    const float* panel = pb.panel(p, buf);
     for (int64_t m = m0; m < m1; m += kMR)
       rows_block(std::min(kMR, m1 - m), pb.x + m * pb.K, pb.K, panel, pb.y + m * pb.N + p * kNR,
                  pb.N, cols);
@@ -110,16 +209,8 @@ void run_task(const Problem& pb, int64_t t) {
 
 // The caller and up to num_threads - 1 pool workers take tasks from a shared counter (as in
 // cpu_attention.cc); about four tasks per thread even out the threads' finishing times.
-ffi::Error packed_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                         ffi::Buffer<ffi::F32> panels, ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), pd = panels.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[2] != kNR || pd[1] != xd[1] ||
-      yd[0] != xd[0] || yd[1] > pd[0] * kNR || yd[1] <= (pd[0] - 1) * kNR)
-    return ffi::Error::InvalidArgument("packed matmul: expected x [M, K], panels "
-                                       "[ceil(N / 16), K, 16] and y [M, N]");
-  Problem pb{xd[0], xd[1], yd[1], pd[0], x.typed_data(), panels.typed_data(), y->typed_data(),
-             0, 0};
-  if (pb.M == 0) return ffi::Error::Success();
+void run(ffi::ThreadPool& pool, Problem pb) {
+  if (pb.M == 0) return;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t row_tasks = (pb.M + kMC - 1) / kMC;
   const int64_t want = std::max<int64_t>(1, 4 * threads / row_tasks);
@@ -133,8 +224,9 @@ ffi::Error packed_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   auto shared = std::make_shared<Shared>();
   shared->pb = pb;
   auto worker = [shared, tasks]() {
+    std::vector<float> buf;  // int8: a decoded panel
     for (int64_t t; (t = shared->next.fetch_add(1)) < tasks;) {
-      run_task(shared->pb, t);
+      run_task(shared->pb, t, buf);
       shared->done.fetch_add(1, std::memory_order_release);
     }
   };
@@ -143,6 +235,45 @@ ffi::Error packed_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   worker();
   while (shared->done.load(std::memory_order_acquire) < tasks) {
   }  // the last tasks finish on other threads within microseconds
+}
+
+// x [M, K], panels [ceil(N / 16), K, 16], y [M, N]: the problem (false if the shapes do not
+// fit together).
+bool problem(ffi::Buffer<ffi::F32>& x, const void* panels, ffi::Span<const int64_t> pd,
+             ffi::ResultBuffer<ffi::F32>& y, Problem& pb) {
+  auto xd = x.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[2] != kNR || pd[1] != xd[1] ||
+      yd[0] != xd[0] || yd[1] > pd[0] * kNR || yd[1] <= (pd[0] - 1) * kNR)
+    return false;
+  pb = Problem{xd[0], xd[1], yd[1], pd[0], x.typed_data(), panels, nullptr, 1,
+               y->typed_data(), 0, 0};
+  return true;
+}
+
+constexpr const char* kShapes =
+    "packed matmul: expected x [M, K], panels [ceil(N / 16), K, 16] and y [M, N]";
+
+ffi::Error packed_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                         ffi::Buffer<ffi::F32> panels, ffi::ResultBuffer<ffi::F32> y) {
+  Problem pb;
+  if (!problem(x, panels.typed_data(), panels.dimensions(), y, pb))
+    return ffi::Error::InvalidArgument(kShapes);
+  run(pool, pb);
+  return ffi::Error::Success();
+}
+
+ffi::Error packed_matmul_int8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                              ffi::Buffer<ffi::S8> panels, ffi::Buffer<ffi::F32> scales,
+                              ffi::ResultBuffer<ffi::F32> y) {
+  Problem pb;
+  if (!problem(x, panels.typed_data(), panels.dimensions(), y, pb))
+    return ffi::Error::InvalidArgument(kShapes);
+  auto sd = scales.dimensions();
+  if (sd.size() != 3 || sd[0] != pb.P || sd[2] != kNR || sd[1] <= 0 || pb.K % sd[1] != 0)
+    return ffi::Error::InvalidArgument("packed int8 matmul: scales must be [P, K / G, 16]");
+  pb.scales = scales.typed_data();
+  pb.group = pb.K / sd[1];
+  run(pool, pb);
   return ffi::Error::Success();
 }
 
@@ -153,4 +284,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmul, packed_matmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // panels [P, K, 16]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulInt8, packed_matmul_int8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()    // panels [P, K, 16] int8
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scales [P, K / G, 16]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]

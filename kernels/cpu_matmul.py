@@ -10,9 +10,15 @@ Zen 3 machine the kernel took 0.55 ms where XLA took 1.0-1.25 ms for the 16-row 
 projection, and 12.5 ms against 29 ms for the 16-row LM head).
 
     Packed     panels [P, K, 16] of w [N, K] (the runtime form's [out, in] projections),
-               P = ceil(N / 16), zero-padded past N; n = N (static)
+               P = ceil(N / 16), zero-padded past N; n = N (static); int8 panels carry
+               scales [P, K / G, 16], one float32 per column and group of G values of k
     matmul     x [..., K] @ w.T -> [..., N], float32
     rows       w[ids] read back from the panels (a tied embedding's lookup)
+
+Int8 (`pack(w, "int8")`): symmetric, round to nearest, a scale per output column and group
+of G = 64 consecutive inputs (G = K when 64 does not divide K): max |w| of the group / 127.
+The kernel decodes each panel row in registers, so the weights cross memory at a quarter of
+float32's bytes; compute stays float32.
 """
 
 from __future__ import annotations
@@ -30,17 +36,22 @@ from kernels import cpp_build
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "paged_jax_cpu_packed_matmul"
+TARGET_INT8 = "paged_jax_cpu_packed_matmul_int8"
 NR = 16  # output columns per panel (cpu_matmul.cc's kNR)
+GROUP = 64  # int8: inputs per scale
+WEIGHT_TYPES = ("float32", "int8")
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["panels"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["panels", "scales"],
                    meta_fields=["n"])
 @dataclasses.dataclass(frozen=True)
 class Packed:
-    """A [n, K] weight packed for `matmul`: panels [ceil(n / 16), K, 16]."""
+    """A [n, K] weight packed for `matmul`: panels [ceil(n / 16), K, 16], float32 or int8
+    with scales [ceil(n / 16), K / G, 16]."""
 
     panels: jax.Array
     n: int
+    scales: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -48,29 +59,53 @@ class Packed:
 
     @property
     def dtype(self):
-        return self.panels.dtype
+        """The compute dtype (float32 for int8 panels too)."""
+        return jnp.dtype(jnp.float32)
 
 
-def pack(w) -> Packed:
-    """Packs a float32 [N, K] weight on the host (numpy) and places it on the device."""
+def pack(w, weights: str = "float32") -> Packed:
+    """Packs a float [N, K] weight on the host (numpy) as `weights` ("float32" or "int8")
+    and places it on the device."""
+    if weights not in WEIGHT_TYPES:
+        raise ValueError(f"packed weights are one of {WEIGHT_TYPES}, got {weights!r}")
     w = np.asarray(w, np.float32)
     n, k = w.shape
     p = -(-n // NR)
     padded = np.zeros((p * NR, k), np.float32)
     padded[:n] = w
-    return Packed(jax.device_put(np.ascontiguousarray(
-        padded.reshape(p, NR, k).transpose(0, 2, 1))), n)
+    panels = padded.reshape(p, NR, k).transpose(0, 2, 1)  # [P, K, 16]
+    if weights == "float32":
+        return Packed(jax.device_put(np.ascontiguousarray(panels)), n)
+    g = GROUP if k % GROUP == 0 else k
+    groups = panels.reshape(p, k // g, g, NR)
+    scales = np.abs(groups).max(axis=2) / 127.0  # [P, K / G, 16]
+    q = np.rint(groups / np.where(scales > 0, scales, 1.0)[:, :, None, :])
+    q = np.clip(q, -127, 127).astype(np.int8).reshape(p, k, NR)
+    return Packed(jax.device_put(q), n, jax.device_put(scales.astype(np.float32)))
+
+
+def _panels_f32(w: Packed) -> jax.Array:
+    """The panels as float32 (int8 ones times their scales)."""
+    if w.scales is None:
+        return w.panels
+    p, k, _ = w.panels.shape
+    scales = jnp.repeat(w.scales, k // w.scales.shape[1], axis=1)
+    return w.panels.astype(jnp.float32) * scales
 
 
 def unpack(w: Packed) -> jax.Array:
-    """The [n, K] weight back (tests, and code that needs the plain layout)."""
+    """The [n, K] weight back, as float32 (tests, and code that needs the plain layout)."""
     p, k, _ = w.panels.shape
-    return w.panels.transpose(0, 2, 1).reshape(p * NR, k)[:w.n]
+    return _panels_f32(w).transpose(0, 2, 1).reshape(p * NR, k)[:w.n]
 
 
 def rows(w: Packed, ids: jax.Array) -> jax.Array:
     """w[ids] ([T, K]) gathered from the panels: an embedding lookup on a packed tied head."""
-    return w.panels[ids // NR, :, ids % NR]
+    got = w.panels[ids // NR, :, ids % NR]
+    if w.scales is None:
+        return got
+    g = w.panels.shape[1] // w.scales.shape[1]
+    return got.astype(jnp.float32) * jnp.repeat(w.scales[ids // NR, :, ids % NR], g, axis=1)
 
 
 @functools.cache
@@ -85,6 +120,8 @@ def load(folder: str) -> bool:
         warnings.warn(f"CPU matmul kernel unavailable, using XLA's dot: {err}", stacklevel=2)
         return False
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PackedMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(TARGET_INT8, jax.ffi.pycapsule(lib.PackedMatmulInt8),
+                                platform="cpu")
     return True
 
 
@@ -94,14 +131,19 @@ def matmul(x: jax.Array, w: Packed) -> jax.Array:
     if k != w.panels.shape[1]:
         raise ValueError(f"packed matmul: x has {k} features, the weight {w.panels.shape[1]}")
     m = int(np.prod(lead, dtype=np.int64))
-    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, w.n), jnp.float32))(
-        x.reshape(m, k).astype(jnp.float32), w.panels)
+    out_shape = jax.ShapeDtypeStruct((m, w.n), jnp.float32)
+    x2 = x.reshape(m, k).astype(jnp.float32)
+    if w.scales is None:
+        out = jax.ffi.ffi_call(TARGET, out_shape)(x2, w.panels)
+    else:
+        out = jax.ffi.ffi_call(TARGET_INT8, out_shape)(x2, w.panels, w.scales)
     return out.reshape(*lead, w.n)
 
 
 def main() -> None:
-    """Checks the kernel against XLA's dot and times both (alternating, median of rounds) on
-    SmolLM2-135M's projection shapes: q|k|v, o, gate|up, down and the LM head."""
+    """Checks the kernel against XLA's dot and times it, float32 and int8 panels, beside XLA
+    (alternating, median of rounds) on SmolLM2-135M's projection shapes: q|k|v, o, gate|up,
+    down and the LM head."""
     import time
 
     assert load(str(cpp_build.default_folder())), "the kernel did not build"
@@ -110,20 +152,22 @@ def main() -> None:
               "head": (49152, 576)}
     ours = jax.jit(matmul)
     xla = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))))
-    print(f"{'rows':>5} {'weight':>8} {'packed ms':>10} {'XLA ms':>8}  max |diff|")
+    print(f"{'rows':>5} {'weight':>8} {'packed ms':>10} {'int8 ms':>8} {'XLA ms':>8}  "
+          f"max |diff|")
     for m in (1, 16, 64, 256):
         for name, (n, k) in shapes.items():
             w = rng.standard_normal((n, k), np.float32) / np.sqrt(k)
             x = jnp.asarray(rng.standard_normal((m, k), np.float32))
-            wp, wj = pack(w), jnp.asarray(w)
-            err = float(jnp.abs(ours(x, wp) - xla(x, wj)).max())
+            sides = {"packed": (ours, pack(w)), "int8": (ours, pack(w, "int8")),
+                     "xla": (xla, jnp.asarray(w))}
+            err = float(jnp.abs(ours(x, sides["packed"][1]) - xla(x, sides["xla"][1])).max())
             reps = 3 if name == "head" else 30
-            t_ours, t_xla = [], []
+            t: dict = {k: [] for k in sides}
             for _ in range(7):
-                t_ours.append(_timed(ours, (x, wp), reps, time))
-                t_xla.append(_timed(xla, (x, wj), reps, time))
-            print(f"{m:5d} {name:>8} {np.median(t_ours) * 1e3:10.3f} "
-                  f"{np.median(t_xla) * 1e3:8.3f}  {err:.1e}")
+                for k, (fn, wk) in sides.items():
+                    t[k].append(_timed(fn, (x, wk), reps, time))
+            ms = [f"{np.median(t[k]) * 1e3:{w_}.3f}" for k, w_ in zip(t, (10, 8, 8), strict=True)]
+            print(f"{m:5d} {name:>8} {' '.join(ms)}  {err:.1e}")
 
 
 def _timed(fn, args, reps: int, time) -> float:

@@ -111,6 +111,8 @@ class LLM:
       attention_backend: "reference", "pallas" or "cpu"; None picks by platform.
       matmul_backend: "cpu" (the C++ CPU matmul kernel on packed weights; float32, one
         device) or "xla"; None: "cpu" where it applies (EngineConfig.matmul_backend).
+      quantization: None, or "int8": weight-only int8 with group scales on the CPU matmul
+        kernel (EngineConfig.quantization); activations and KV stay as `dtype` says.
       max_logprobs: the most logprobs a request may ask for.
       enable_prefix_caching: reuse cached KV blocks of shared prompt prefixes (vLLM default).
       tokenizer: a Hugging Face folder (its tokenizer.json) whose tokenizer replaces the
@@ -145,6 +147,7 @@ class LLM:
         max_model_len: int | None = None, dtype: str = "auto", seed: int = 0,
         preemption_mode: str = "recompute", decode_window: int = 8,
         attention_backend: str | None = None, matmul_backend: str | None = None,
+        quantization: str | None = None,
         max_logprobs: int = 20, model_parts=None,
         enable_prefix_caching: bool = True, tokenizer: str | None = None,
         swap_space: float = 4, gpu_memory_utilization: float | None = None,
@@ -184,6 +187,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             preemption_mode=preemption_mode, decode_window=decode_window,
             backend=attention_backend, matmul_backend=matmul_backend,
+            quantization=quantization,
             max_logprobs=max_logprobs, seed=seed,
             enable_prefix_caching=enable_prefix_caching, swap_space=int(swap_space * (1 << 30)),
             kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size,

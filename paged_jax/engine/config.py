@@ -25,6 +25,9 @@ class EngineConfig:
       matmul_backend: "cpu" (projections and LM head packed for the C++ CPU matmul kernel,
         kernels/cpu_matmul.py: float32 on one CPU device) or "xla" (XLA's dot); None: "cpu"
         where it applies and builds.
+      quantization: weight-only quantization (vLLM's name): None, or "int8" (projections and
+        LM head as int8 with a float32 scale per output column and 64 inputs, read by the
+        CPU matmul kernel; needs matmul_backend "cpu").
       max_logprobs: the most top logprobs a request may ask for (static).
       seed: engine seed, used for requests without their own.
       enable_prefix_caching: reuse cached full blocks across requests (prefix_cache.py).
@@ -62,6 +65,7 @@ class EngineConfig:
     decode_window: int = 8
     backend: str | None = None
     matmul_backend: str | None = None
+    quantization: str | None = None
     max_logprobs: int = 0
     seed: int = 0
     enable_prefix_caching: bool = True
@@ -91,6 +95,11 @@ class EngineConfig:
         if self.matmul_backend not in (None, "cpu", "xla"):
             raise ValueError(f"matmul_backend must be 'cpu' or 'xla' (or None: by platform), "
                              f"got {self.matmul_backend!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.quantization and self.matmul_backend == "xla":
+            raise ValueError("quantization='int8' runs on the CPU matmul kernel; "
+                             "matmul_backend='xla' reads float weights")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0 = no cap), "
                              f"got {self.long_prefill_token_threshold}")

@@ -144,8 +144,9 @@ def matmul_backend(requested: str | None, dtype, tensor_parallel_size: int) -> s
             and tensor_parallel_size == 1)
     built = fits and cpu_matmul.load(str(compile_cache.kernel_folder()))
     if requested == "cpu" and not built:
-        raise ValueError("matmul_backend='cpu' needs float32 weights on one CPU device and "
-                         "its C++ kernel (kernels/cpu_matmul.py) built; use 'xla'")
+        raise ValueError("the CPU matmul kernel (matmul_backend='cpu', and quantization "
+                         "'int8', which runs on it) needs float32 weights on one CPU device "
+                         "and its C++ kernel (kernels/cpu_matmul.py) built; use 'xla'")
     return "cpu" if built else "xla"
 
 
@@ -162,8 +163,8 @@ class Runner:
     def __init__(self, model: ModelConfig, params: Params, ec: EngineConfig):
         self.model, self.config = model, ec
         kv_dtype = kv_quant.storage_dtype(ec.kv_cache_dtype, jax.tree.leaves(params)[0].dtype)
-        self.matmul = matmul_backend(ec.matmul_backend, jax.tree.leaves(params)[0].dtype,
-                                     ec.tensor_parallel_size)
+        self.matmul = matmul_backend("cpu" if ec.quantization else ec.matmul_backend,
+                                     jax.tree.leaves(params)[0].dtype, ec.tensor_parallel_size)
         params = prepare_params(params)  # the forward's fast layout, built once
         self.mesh, kv_heads = None, model.num_kv_heads
         if ec.tensor_parallel_size > 1:
@@ -177,7 +178,7 @@ class Runner:
         else:
             books = pages = parallel.devices(1, ec.first_device)[0]
             if self.matmul == "cpu":
-                params = pack_params(params)
+                params = pack_params(params, ec.quantization or "float32")
             params = jax.device_put(params, books)  # no-op on device 0
         self.params, cc = params, ec.cache
         self.block_bytes = kv_lib.kv_cache_bytes(model.num_layers, kv_heads, cc.block_size,

@@ -169,10 +169,11 @@ def prepare_params(params: Params) -> Params:
             "layers": [layer(i) for i in range(n)]}
 
 
-def pack_params(params: Params) -> Params:
+def pack_params(params: Params, weights: str = "float32") -> Params:
     """Runtime-form params with every projection and the LM head packed for the C++ CPU
-    matmul kernel (kernels/cpu_matmul.py; float32, one device). A tied head packs the
-    embedding itself, and the lookup reads rows back from its panels: one copy, not two.
+    matmul kernel (kernels/cpu_matmul.py; float32 activations, one device), as float32 or
+    int8 `weights` (group scales). A tied head packs the embedding itself, and the lookup
+    reads rows back from its panels: one copy, not two. Norms and biases stay float32.
     Idempotent; each weight is packed on the host, then the unpacked one is dropped.
 
     Raises:
@@ -182,7 +183,7 @@ def pack_params(params: Params) -> Params:
         raise RuntimeError("the CPU matmul kernel did not build (see the warning above)")
     params = prepare_params(params)
     head = "lm_head" if "lm_head" in params else "embed"
-    pack = lambda w: w if isinstance(w, Packed) else cpu_matmul.pack(w)  # noqa: E731
+    pack = lambda w: w if isinstance(w, Packed) else cpu_matmul.pack(w, weights)  # noqa: E731
     return {**params, head: pack(params[head]),
             "layers": [{k: pack(v) if k in PROJECTIONS else v for k, v in p.items()}
                        for p in params["layers"]]}
