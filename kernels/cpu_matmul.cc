@@ -18,14 +18,15 @@
 //       for each 6 rows of the MC                          micro-kernel, 6 x 16 tile
 //
 // Int8 weights (PackedMatmulInt8): panels hold int8 values and scales [P, K / G, 16] one
-// float32 scale per column and group of G consecutive k. A task decodes each of its panels
-// once into a float32 buffer (L2-sized: 16 x K floats) and runs the float micro-kernel on
-// it for every row of x, so the weights cross memory at a quarter of float32's bytes and the
-// decode is shared by all rows. (Decoding inside the micro-kernel, per k, made it 3-5x
-// slower than float32: the group's scale index and the conversions sat on the FMA path.)
+// float32 scale per column and group of G consecutive k, so the weights cross memory at a
+// quarter of float32's bytes. For two rows of x or more a task decodes each of its panels
+// once into a float32 buffer (16 x K floats, L2-sized) and runs the float micro-kernel on it
+// for every row; a single row (batch-1 decode) decodes in registers, scaling each group's
+// partial sums once (a buffer would cost it 8 bytes of traffic per weight).
 //
-// Written with GCC vector extensions, not intrinsics: the same source builds wherever g++
-// does; on x86 with -march=native it compiles to AVX2 / AVX-512VL FMAs.
+// Written with GCC vector extensions: the same source builds wherever g++ does, and on x86
+// with -march=native compiles to AVX2 / AVX-512VL FMAs. The one intrinsic is the byte to
+// float conversion (decode8), which GCC 12 does not vectorize from extensions.
 
 #include <algorithm>
 #include <atomic>
@@ -123,7 +124,7 @@ void micro_row(const float* x, int64_t K, const float* panel, float* y, int64_t 
 void micro_row_int8(const float* x, int64_t K, const int8_t* q, const float* scales,
                     int64_t group, float* y, int64_t cols) {
   const v8 zero = {};
-  v8 a0 = zero, a1 = zero, b0 = zero, b1 = zero;
+  v8 a0 = zero, a1 = zero;
   for (int64_t g = 0; g < K; g += group, scales += kNR) {
     v8 s0 = zero, s1 = zero, t0 = zero, t1 = zero;  // the group's sums, scaled once at its end
     int64_t k = g;
@@ -141,8 +142,8 @@ void micro_row_int8(const float* x, int64_t K, const int8_t* q, const float* sca
     a0 += (s0 + t0) * load(scales), a1 += (s1 + t1) * load(scales + 8);
   }
   float tile[kNR];
-  store(tile, a0 + b0);
-  store(tile + 8, a1 + b1);
+  store(tile, a0);
+  store(tile + 8, a1);
   std::memcpy(y, tile, cols * sizeof(float));
 }
 
@@ -178,8 +179,7 @@ struct Problem {
       const v8 s0 = load(s), s1 = load(s + 8);
       for (int64_t i = g * kNR; i < (g + group) * kNR; i += kNR) {
         store(out + i, decode8(q + i) * s0);
-        store(out + i + 8,
-              decode8(q + i + 8) * s1);
+        store(out + i + 8, decode8(q + i + 8) * s1);
       }
     }
     return out;
@@ -194,10 +194,9 @@ void run_task(const Problem& pb, int64_t t, std::vector<float>& buf) {
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t cols = std::min(kNR, pb.N - p * kNR);
     if (pb.scales != nullptr && m1 - m0 == 1) {
-      micro_row_int8(pb.x + m0 * pb.K, pb.K,
-                     static_cast<const int8_t*>(pb.panels) + p * pb.K * kNR,
-                     pb.scales + p * (pb.K / pb.group) * kNR, pb.group, pb.y + m0 * pb.N + p * kNR,
-                     cols);
+      micro_row_int8(pb.x + m0 * pb.K, pb.K, static_cast<const int8_t*>(pb.panels) + p * pb.K * kNR,
+                     pb.scales + p * (pb.K / pb.group) * kNR, pb.group,
+                     pb.y + m0 * pb.N + p * kNR, cols);
       continue;
     }
     const float* panel = pb.panel(p, buf);
