@@ -7,6 +7,7 @@ own build; concurrent builds do not clash (each writes a temporary file, then re
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -68,3 +69,20 @@ def build(source: Path, folder: Path, what: str, flags: tuple[str, ...] = FLAGS)
                                    f"{res.stderr[-4000:]}")
         os.replace(part, out)  # atomic: a reader never sees half a library
     return out
+
+
+def load(source: Path, folder: Path, what: str, fallback: str, targets: dict[str, str]) -> bool:
+    """Builds `source` (if needed), loads it and registers each FFI target name -> exported
+    handler symbol with XLA on the CPU; False, with a warning naming `what` and the
+    `fallback` used instead, when it cannot be built or loaded."""
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build(source, folder, what)))
+    except (RuntimeError, OSError) as err:
+        import warnings
+
+        warnings.warn(f"{what} unavailable, using {fallback}: {err}", stacklevel=3)
+        return False
+    for name, symbol in targets.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                    platform="cpu")
+    return True

@@ -17,7 +17,6 @@ reference, and times both.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from pathlib import Path
 
@@ -36,19 +35,8 @@ TARGET_QUANT = "paged_jax_cpu_paged_attention_quant"  # int8 / fp8 pages + f32 s
 @functools.cache
 def load(folder: str) -> bool:
     """Builds (if needed) and registers the kernel with XLA; False when it cannot be built."""
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(cpp_build.build(SOURCE, Path(folder),
-                                                          "CPU attention kernel")))
-    except (RuntimeError, OSError) as err:
-        import warnings
-
-        warnings.warn(f"CPU attention kernel unavailable, using the jnp reference: {err}",
-                      stacklevel=2)
-        return False
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PagedAttention), platform="cpu")
-    jax.ffi.register_ffi_target(TARGET_QUANT, jax.ffi.pycapsule(lib.PagedAttentionQuant),
-                                platform="cpu")
-    return True
+    return cpp_build.load(SOURCE, Path(folder), "CPU attention kernel", "the jnp reference",
+                          {TARGET: "PagedAttention", TARGET_QUANT: "PagedAttentionQuant"})
 
 
 def paged_attention(q, k_pages: PagesLike, v_pages: PagesLike, block_tables, seq_lens,

@@ -24,7 +24,6 @@ float32's bytes; compute stays float32.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 from pathlib import Path
@@ -112,18 +111,8 @@ def rows(w: Packed, ids: jax.Array) -> jax.Array:
 @functools.cache
 def load(folder: str) -> bool:
     """Builds (if needed) and registers the kernel with XLA; False when it cannot be built."""
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(cpp_build.build(SOURCE, Path(folder),
-                                                          "CPU matmul kernel")))
-    except (RuntimeError, OSError) as err:
-        import warnings
-
-        warnings.warn(f"CPU matmul kernel unavailable, using XLA's dot: {err}", stacklevel=2)
-        return False
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PackedMatmul), platform="cpu")
-    jax.ffi.register_ffi_target(TARGET_INT8, jax.ffi.pycapsule(lib.PackedMatmulInt8),
-                                platform="cpu")
-    return True
+    return cpp_build.load(SOURCE, Path(folder), "CPU matmul kernel", "XLA's dot",
+                          {TARGET: "PackedMatmul", TARGET_INT8: "PackedMatmulInt8"})
 
 
 def matmul(x: jax.Array, w: Packed) -> jax.Array:
