@@ -94,7 +94,7 @@ def test_sharded_params_rebuild_the_unsharded_weights():
     its query heads, then its KV head."""
     cfg = tiny_config()
     eng = engine(tensor_parallel_size=2)
-    one = engine().params
+    one = engine(matmul_backend="xla").params  # plain [out, in] weights, not packed panels
     d, q = cfg.head_dim, cfg.num_heads * cfg.head_dim
     w = one["layers"][0]["w_qkv"]
     shards = sorted(eng.params["layers"][0]["w_qkv"].addressable_shards,
