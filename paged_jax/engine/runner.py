@@ -162,9 +162,10 @@ class Runner:
 
     def __init__(self, model: ModelConfig, params: Params, ec: EngineConfig):
         self.model, self.config = model, ec
-        kv_dtype = kv_quant.storage_dtype(ec.kv_cache_dtype, jax.tree.leaves(params)[0].dtype)
-        self.matmul = matmul_backend("cpu" if ec.quantization else ec.matmul_backend,
-                                     jax.tree.leaves(params)[0].dtype, ec.tensor_parallel_size)
+        dtype = jax.tree.leaves(params)[0].dtype
+        kv_dtype = kv_quant.storage_dtype(ec.kv_cache_dtype, dtype)
+        self.matmul = matmul_backend("cpu" if ec.quantization else ec.matmul_backend, dtype,
+                                     ec.tensor_parallel_size)
         params = prepare_params(params)  # the forward's fast layout, built once
         self.mesh, kv_heads = None, model.num_kv_heads
         if ec.tensor_parallel_size > 1:

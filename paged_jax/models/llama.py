@@ -32,8 +32,9 @@ LM head are packed into the panels of the C++ matmul kernel (kernels/cpu_matmul.
 runs the small-row matmuls of serving up to twice as fast as XLA:CPU's dot; `linear` calls
 whichever the weight is.
 
-Checkpoint-form weights are stored [in, out]. RoPE uses Hugging Face's
-rotate-half pairing (dims i and i + D/2); GGUF loaders un-permute llama.cpp's interleaved q/k.
+Checkpoint-form projections are stored [in, out] (lm_head [V, E], like the embedding). RoPE
+uses Hugging Face's rotate-half pairing (dims i and i + D/2); GGUF loaders un-permute
+llama.cpp's interleaved q/k.
 D2 in annotations is D / 2 (one inverse frequency per rotated pair).
 """
 

@@ -10,6 +10,7 @@ has one registry; `for_model` gives each model's view, labelled with its name.
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 
 import jax
@@ -39,14 +40,10 @@ class _Compiles:
                 self.count, self.seconds = self.count + 1, self.seconds + duration
 
 
-_compiles: _Compiles | None = None
-
-
+@functools.cache
 def compiles() -> _Compiles:
-    global _compiles
-    if _compiles is None:
-        _compiles = _Compiles()
-    return _compiles
+    """The process's one `_Compiles` (its listener registered on the first call)."""
+    return _Compiles()
 
 
 class ServerMetrics:
