@@ -4,7 +4,7 @@ jitted call per step with one device -> host read of its output.
     dispatch(plan) -> batch.build(plan)                     host: pad into a Call
                       run_step | decode_window | run_ops     one jitted call, state donated
                    -> Pending                                 the call's output, on the device
-    collect(pending) -> jax.device_get(output)                the one read (waits for the call)
+    collect(pending) -> output.wire                           the one read (waits for the call)
                    -> StepOutput                              numpy, [W, R] per-row fields
     run(plan) = collect(dispatch(plan))
 
@@ -34,6 +34,7 @@ from paged_jax.cache import page_table as pt
 from paged_jax.cache import pool as pool_lib
 from paged_jax.cache.kv_cache import KVCache
 from paged_jax.engine import batch as batch_lib
+from paged_jax.engine import wire
 from paged_jax.engine.config import EngineConfig
 from paged_jax.engine.plan import Plan
 from paged_jax.engine.sequence import Sequence
@@ -56,14 +57,6 @@ class PromptLogprobs:
     ranks: np.ndarray
     top_ids: np.ndarray
     top_logprobs: np.ndarray
-
-
-def _fields(x):
-    """A device output as nested dicts of arrays (a host copy of the registered dataclasses
-    would run their jaxtyping checks on numpy arrays)."""
-    if dataclasses.is_dataclass(x):
-        return {f.name: _fields(getattr(x, f.name)) for f in dataclasses.fields(x)}
-    return x
 
 
 @dataclasses.dataclass
@@ -205,7 +198,9 @@ class Runner:
     def collect(self, pending: Pending) -> StepOutput:
         """The call's one device -> host read (waits for the call to finish)."""
         t0 = time.perf_counter()
-        read = jax.device_get(_fields(pending.out))
+        out = pending.out
+        read = (jax.device_get(out) if pending.call.kind == "ops"
+                else wire.unpack(np.asarray(out.wire), out))
         t1 = time.perf_counter()
         host = self._to_host(pending.call, read)
         host.seconds, host.wait = t1 - pending.t0, t1 - t0

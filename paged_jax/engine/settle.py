@@ -26,6 +26,7 @@ from paged_jax.cache import pool as pool_lib
 from paged_jax.cache.ops import KVOps, apply_ops
 from paged_jax.cache.page_table import PageTable
 from paged_jax.cache.pool import BlockPool
+from paged_jax.engine import wire
 from paged_jax.engine.state import EngineState, StepConfig
 from paged_jax.types import Array, Bool, Int
 
@@ -73,15 +74,16 @@ def settle_and_report(
 ):
     """`settle`, then the call's report in `out` (StepOut or WindowOut): the free count,
     newly full blocks [R, F] of the rows that wrote tokens, and refcounts [N] (the last two
-    with prefix caching only)."""
+    with prefix caching only), all of it packed into `out.wire` for the host's one read."""
     full = out.full_blocks  # [R, 0] without prefix caching
     if cfg.prefix_caching:
         full = jnp.where(out.ok & wrote[:, None],
                          full_blocks(state.table, slots, old_lens, width), 0)
     state = settle(state, out.finished, slots, own, full, cfg)
     refcount = state.pool.refcount if cfg.prefix_caching else out.refcount
-    return state, dataclasses.replace(out, num_free=state.pool.num_free, full_blocks=full,
-                                      refcount=refcount)
+    out = dataclasses.replace(out, num_free=state.pool.num_free, full_blocks=full,
+                              refcount=refcount)
+    return state, dataclasses.replace(out, wire=wire.pack(out))
 
 
 

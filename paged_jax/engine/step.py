@@ -136,6 +136,7 @@ class StepOut:
     hidden: Float[Array, "R E"]
     full_blocks: Int[Array, "R F"]
     refcount: Int[Array, "N2"]
+    wire: Int[Array, "B"] | None = None  # every field above, packed (engine/wire.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,6 +56,7 @@ class WindowOut:
     num_free: Int[Array, ""]
     full_blocks: Int[Array, "R F"]
     refcount: Int[Array, "N2"]
+    wire: Int[Array, "B"] | None = None  # every field above, packed (engine/wire.py)
 
 
 @functools.partial(
