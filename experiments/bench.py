@@ -60,18 +60,22 @@ QUICK_ROWS = {"batch 1": (1, 8, False), "batch 16": (4, 8, False), "prefix": (4,
 class Ours:
     """paged-jax, float32, with the shared limits (prefix caching per `caching`); `matmul`
     "xla" runs the projections on XLA's dot instead of the default C++ kernel (the kernel's
-    gain, measured in the same run)."""
+    gain, measured in the same run). `name` and `llm_kw` (dtype, quantization: other LLM
+    options) make the other sides of experiments/weight_quantization.py."""
 
-    def __init__(self, parts, caching: bool, matmul: str | None = None):
+    def __init__(self, parts, caching: bool, matmul: str | None = None,
+                 name: str | None = None, **llm_kw):
         from paged_jax import LLM
 
-        self.name = ("paged-jax float32" + (" +prefix cache" if caching else "")
-                     + (", XLA matmuls" if matmul == "xla" else ""))
+        self.name = name or ("paged-jax float32" + (" +prefix cache" if caching else "")
+                             + (", XLA matmuls" if matmul == "xla" else ""))
         self.llm = LLM(model_parts=parts, enable_prefix_caching=caching, matmul_backend=matmul,
                        kv_cache_memory=LIMITS["kv_cache_gib"] << 30,
-                       **{k: v for k, v in LIMITS.items() if k != "kv_cache_gib"})
+                       **{k: v for k, v in LIMITS.items() if k != "kv_cache_gib"}, **llm_kw)
         runner = self.llm.llm_engine.runner
-        self.settings = dict(dtype="float32", enable_prefix_caching=caching,
+        self.settings = dict(dtype=llm_kw.get("dtype", "float32"),
+                             quantization=llm_kw.get("quantization"),
+                             enable_prefix_caching=caching,
                              decode_window=self.llm.engine_config.decode_window,
                              attention_backend=runner.cfg.backend, matmul_backend=runner.matmul,
                              **LIMITS)

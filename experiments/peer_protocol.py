@@ -3,6 +3,8 @@
     worker -> {"ready": true, "versions": {...}, "settings": {...}}     once, after loading
     driver -> {"op": "run", "prompts": [[ids], ...], "tokens": N}
     worker -> {"seconds": s, "tokens": [[ids], ...]}                     or {"error": "..."}
+    driver -> {"op": "score", "ids": [ids]}                              (llama.cpp only)
+    worker -> {"nll": [-log p(ids[i + 1] | ids[:i + 1]) for each i]}
     driver -> {"op": "quit"}
 
 Workers import this file by path (their venvs hold no paged_jax); it uses the standard
@@ -55,7 +57,10 @@ class Worker:
         self.versions, self.settings = hello["versions"], hello["settings"]
 
     def run(self, prompts: list[list[int]], tokens: int) -> dict:
-        self.proc.stdin.write(json.dumps(dict(op="run", prompts=prompts, tokens=tokens)) + "\n")
+        return self.call("run", prompts=prompts, tokens=tokens)
+
+    def call(self, op: str, **args) -> dict:
+        self.proc.stdin.write(json.dumps(dict(op=op, **args)) + "\n")
         self.proc.stdin.flush()
         return self._read()
 

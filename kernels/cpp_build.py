@@ -1,8 +1,9 @@
 """Builds the C++ CPU kernels (XLA FFI custom calls) with the machine's g++, once.
 
 A library is compiled on first use into a folder of the caller's choosing, keyed by a hash of
-its source, the flags, the JAX version and the CPU, so a rebuilt JAX or another CPU gets its
-own build; concurrent builds do not clash (each writes a temporary file, then renames it).
+its source (and the local headers it includes), the flags, the JAX version and the CPU, so a
+rebuilt JAX or another CPU gets its own build; concurrent builds do not clash (each writes a
+temporary file, then renames it).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -41,8 +43,17 @@ def _cpu_id() -> str:
 def library_path(source: Path, folder: Path, flags: tuple[str, ...] = FLAGS) -> Path:
     """Where the build of `source` for these flags, JAX and CPU lives in `folder`."""
     key = hashlib.sha256("\n".join(
-        [source.read_text(), " ".join(flags), jax.__version__, _cpu_id()]).encode())
+        [*_texts(source), " ".join(flags), jax.__version__, _cpu_id()]).encode())
     return Path(folder) / f"{source.stem}-{key.hexdigest()[:16]}.so"
+
+
+def _texts(source: Path) -> list[str]:
+    """The source and the local headers it includes (`#include "name.h"`, beside it): an
+    edit to either is a new build."""
+    text = source.read_text()
+    local = re.findall(r'^#include "([^"/]+)"', text, flags=re.M)
+    return [text] + [(source.parent / h).read_text() for h in local
+                     if (source.parent / h).exists()]
 
 
 def build(source: Path, folder: Path, what: str, flags: tuple[str, ...] = FLAGS) -> Path:

@@ -17,19 +17,19 @@
 //     for each panel p in the run
 //       for each 6 rows of the MC                          micro-kernel, 6 x 16 tile
 //
-// Int8 weights (PackedMatmulInt8): panels hold int8 values and scales [P, K / G, 16] one
-// float32 scale per column and group of G consecutive k, so the weights cross memory at a
-// quarter of float32's bytes. For two rows of x or more a task decodes each of its panels
-// once into a float32 buffer (16 x K floats, L2-sized) and runs the float micro-kernel on it
-// for every row; a single row (batch-1 decode) decodes in registers, scaling each group's
-// partial sums once (a buffer would cost it 8 bytes of traffic per weight).
+// Int8 and int4 weights (PackedMatmulInt8 / PackedMatmulInt4): codes in blocks of k with
+// group scales (cpu_matmul_quant.h), a quarter or an eighth of float32's bytes. For two rows
+// of x or more a task decodes each of its panels once into a float32 buffer (16 x K floats,
+// L2-sized) and runs the float micro-kernel on it for every row; a single row (batch-1
+// decode) multiplies the codes by x's own int8 codes in integer dot products.
 //
 // Written with GCC vector extensions: the same source builds wherever g++ does, and on x86
-// with -march=native compiles to AVX2 / AVX-512VL FMAs. The one intrinsic is the byte to
-// float conversion (decode8), which GCC 12 does not vectorize from extensions.
+// with -march=native compiles to AVX2 / AVX-512VL FMAs. The integer dot products use AVX2 /
+// AVX-VNNI intrinsics (elsewhere one row takes the float path).
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -51,21 +51,11 @@ constexpr int64_t kMC = 96;   // rows of x per task (a multiple of kMR)
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads / stores
-typedef int8_t b8 __attribute__((vector_size(8), aligned(1)));
 
 inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 inline void store(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
 
-// 8 int8 -> 8 float32. GCC 12 scalarizes __builtin_convertvector from bytes (a movsx and a
-// cvtsi2ss per value: int8 ran 5x slower than float32), so x86 gets the AVX2 instructions.
-inline v8 decode8(const int8_t* p) {
-#ifdef __AVX2__
-  return (v8)_mm256_cvtepi32_ps(
-      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-#else
-  return __builtin_convertvector(*reinterpret_cast<const b8*>(p), v8);
-#endif
-}
+#include "cpu_matmul_quant.h"  // int8 / int4 panels, activations quantized per group
 
 // y[0..mr, 0..cols) = x[0..mr, :] . panel, for mr <= kMR rows and cols <= kNR columns. The
 // accumulators are named variables: GCC keeps an array of vectors in memory (a store per FMA).
@@ -119,34 +109,6 @@ void micro_row(const float* x, int64_t K, const float* panel, float* y, int64_t 
   std::memcpy(y, tile, cols * sizeof(float));
 }
 
-// One row against an int8 panel, decoded in registers: for a single row the float buffer of
-// run_task would cost more traffic (4 bytes written and read per weight) than it saves.
-void micro_row_int8(const float* x, int64_t K, const int8_t* q, const float* scales,
-                    int64_t group, float* y, int64_t cols) {
-  const v8 zero = {};
-  v8 a0 = zero, a1 = zero;
-  for (int64_t g = 0; g < K; g += group, scales += kNR) {
-    v8 s0 = zero, s1 = zero, t0 = zero, t1 = zero;  // the group's sums, scaled once at its end
-    int64_t k = g;
-    for (; k + 2 <= g + group; k += 2) {
-      const int8_t* p = q + k * kNR;
-      s0 += x[k] * decode8(p);
-      s1 += x[k] * decode8(p + 8);
-      t0 += x[k + 1] * decode8(p + 16);
-      t1 += x[k + 1] * decode8(p + 24);
-    }
-    for (; k < g + group; ++k) {
-      s0 += x[k] * decode8(q + k * kNR);
-      s1 += x[k] * decode8(q + k * kNR + 8);
-    }
-    a0 += (s0 + t0) * load(scales), a1 += (s1 + t1) * load(scales + 8);
-  }
-  float tile[kNR];
-  store(tile, a0);
-  store(tile + 8, a1);
-  std::memcpy(y, tile, cols * sizeof(float));
-}
-
 void rows_block(int64_t mr, const float* x, int64_t K, const float* panel, float* y,
                 int64_t ldy, int64_t cols) {
   switch (mr) {
@@ -162,29 +124,42 @@ void rows_block(int64_t mr, const float* x, int64_t K, const float* panel, float
 struct Problem {
   int64_t M, K, N, P;
   const float* x;
-  const void* panels;  // float or int8_t
-  const float* scales;  // int8 panels only: [P, K / group, 16]
+  const void* panels;  // float, int8_t or (int4) uint8_t
+  const void* scales;  // int8: float [P, K / group, 16]; int4: float16 bits, the same shape
+  const uint16_t* mins;  // int4 only: float16 bits [P, K / group, 16]
+  const QuantRows* xq;   // int8 / int4: x quantized (pb.x then points at its dequantized rows)
   int64_t group;
   float* y;
   int64_t panels_per_task, panel_tasks;
 
-  // Panel p as float32: in place, or int8 decoded into `buf` ([K, 16]).
+  // Panel p as float32: in place, or int8 / int4 decoded into `buf` ([K, 16]).
   const float* panel(int64_t p, std::vector<float>& buf) const {
     if (scales == nullptr) return static_cast<const float*>(panels) + p * K * kNR;
     buf.resize(K * kNR);
-    const int8_t* q = static_cast<const int8_t*>(panels) + p * K * kNR;
-    const float* s = scales + p * (K / group) * kNR;
-    float* out = buf.data();
-    for (int64_t g = 0; g < K; g += group, s += kNR) {  // scales held for the group
-      const v8 s0 = load(s), s1 = load(s + 8);
-      for (int64_t i = g * kNR; i < (g + group) * kNR; i += kNR) {
-        store(out + i, decode8(q + i) * s0);
-        store(out + i + 8, decode8(q + i + 8) * s1);
-      }
-    }
-    return out;
+    const int64_t sp = p * (K / group) * kNR;
+    if (mins == nullptr)
+      decode_panel8(static_cast<const int8_t*>(panels) + p * K * kNR,
+                    static_cast<const float*>(scales) + sp, group, K, buf.data());
+    else
+      decode_panel4(static_cast<const uint8_t*>(panels) + p * K * 8,
+                    static_cast<const uint16_t*>(scales) + sp, mins + sp, K, buf.data());
+    return buf.data();
   }
 };
+
+// Row 0 of x (quantized) against panel p, in integers (kIntegerRow machines only).
+void row_integer(const Problem& pb, int64_t p, int64_t cols) {
+#ifdef __AVX2__
+  const int64_t sp = p * (pb.K / pb.group) * kNR;
+  if (pb.mins == nullptr)
+    micro_row_int8(*pb.xq, pb.K, static_cast<const int8_t*>(pb.panels) + p * pb.K * kNR,
+                   static_cast<const float*>(pb.scales) + sp, pb.group, pb.y + p * kNR, cols);
+  else
+    micro_row_int4(*pb.xq, pb.K, static_cast<const uint8_t*>(pb.panels) + p * pb.K * 8,
+                   static_cast<const uint16_t*>(pb.scales) + sp, pb.mins + sp, pb.y + p * kNR,
+                   cols);
+#endif
+}
 
 // Task t: rows [MC * (t / panel_tasks), ...) of x against a run of panels.
 void run_task(const Problem& pb, int64_t t, std::vector<float>& buf) {
@@ -193,16 +168,14 @@ void run_task(const Problem& pb, int64_t t, std::vector<float>& buf) {
   const int64_t m1 = std::min(pb.M, m0 + kMC), p1 = std::min(pb.P, p0 + pb.panels_per_task);
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t cols = std::min(kNR, pb.N - p * kNR);
-    if (pb.scales != nullptr && m1 - m0 == 1) {
-      micro_row_int8(pb.x + m0 * pb.K, pb.K, static_cast<const int8_t*>(pb.panels) + p * pb.K * kNR,
-                     pb.scales + p * (pb.K / pb.group) * kNR, pb.group,
-                     pb.y + m0 * pb.N + p * kNR, cols);
+    if (kIntegerRow && pb.xq != nullptr && pb.M == 1) {  // one row: integer dot products
+      row_integer(pb, p, cols);
       continue;
     }
     const float* panel = pb.panel(p, buf);
     for (int64_t m = m0; m < m1; m += kMR)
-      rows_block(std::min(kMR, m1 - m), pb.x + m * pb.K, pb.K, panel, pb.y + m * pb.N + p * kNR,
-                 pb.N, cols);
+      rows_block(std::min(kMR, m1 - m), pb.x + m * pb.K, pb.K, panel,
+                 pb.y + m * pb.N + p * kNR, pb.N, cols);
   }
 }
 
@@ -219,11 +192,16 @@ void run(ffi::ThreadPool& pool, Problem pb) {
   struct Shared {
     std::atomic<int64_t> next{0}, done{0};
     Problem pb;
+    QuantRows xq;
   };
   auto shared = std::make_shared<Shared>();
+  if (pb.scales != nullptr && pb.K % kGX == 0) {  // every path multiplies x quantized
+    shared->xq.set(pb.x, pb.M, pb.K);
+    pb.x = shared->xq.dequant.data(), pb.xq = &shared->xq;
+  }
   shared->pb = pb;
   auto worker = [shared, tasks]() {
-    std::vector<float> buf;  // int8: a decoded panel
+    std::vector<float> buf;  // int8 / int4: a decoded panel
     for (int64_t t; (t = shared->next.fetch_add(1)) < tasks;) {
       run_task(shared->pb, t, buf);
       shared->done.fetch_add(1, std::memory_order_release);
@@ -239,13 +217,21 @@ void run(ffi::ThreadPool& pool, Problem pb) {
 // x [M, K], panels [ceil(N / 16), K, 16], y [M, N]: the problem (false if the shapes do not
 // fit together).
 bool problem(ffi::Buffer<ffi::F32>& x, const void* panels, ffi::Span<const int64_t> pd,
-             ffi::ResultBuffer<ffi::F32>& y, Problem& pb) {
+             ffi::ResultBuffer<ffi::F32>& y, Problem& pb, int64_t width = kNR) {
   auto xd = x.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[2] != kNR || pd[1] != xd[1] ||
+  if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[2] != width || pd[1] != xd[1] ||
       yd[0] != xd[0] || yd[1] > pd[0] * kNR || yd[1] <= (pd[0] - 1) * kNR)
     return false;
-  pb = Problem{xd[0], xd[1], yd[1], pd[0], x.typed_data(), panels, nullptr, 1,
-               y->typed_data(), 0, 0};
+  pb = Problem{xd[0], xd[1], yd[1], pd[0], x.typed_data(), panels, nullptr, nullptr, nullptr,
+               1, y->typed_data(), 0, 0};
+  return true;
+}
+
+// Scales (and mins) [P, K / G, 16] for a problem's panels: sets pb.group.
+bool group_of(ffi::Span<const int64_t> sd, Problem& pb) {
+  if (sd.size() != 3 || sd[0] != pb.P || sd[2] != kNR || sd[1] <= 0 || pb.K % sd[1] != 0)
+    return false;
+  pb.group = pb.K / sd[1];
   return true;
 }
 
@@ -267,11 +253,27 @@ ffi::Error packed_matmul_int8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   Problem pb;
   if (!problem(x, panels.typed_data(), panels.dimensions(), y, pb))
     return ffi::Error::InvalidArgument(kShapes);
-  auto sd = scales.dimensions();
-  if (sd.size() != 3 || sd[0] != pb.P || sd[2] != kNR || sd[1] <= 0 || pb.K % sd[1] != 0)
+  if (!group_of(scales.dimensions(), pb))
     return ffi::Error::InvalidArgument("packed int8 matmul: scales must be [P, K / G, 16]");
   pb.scales = scales.typed_data();
-  pb.group = pb.K / sd[1];
+  run(pool, pb);
+  return ffi::Error::Success();
+}
+
+ffi::Error packed_matmul_int4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                              ffi::Buffer<ffi::U8> panels, ffi::Buffer<ffi::F16> scales,
+                              ffi::Buffer<ffi::F16> mins, ffi::ResultBuffer<ffi::F32> y) {
+  Problem pb;
+  if (!problem(x, panels.typed_data(), panels.dimensions(), y, pb, 8))
+    return ffi::Error::InvalidArgument(
+        "packed int4 matmul: expected x [M, K], panels [ceil(N / 16), K, 8] and y [M, N]");
+  auto sd = scales.dimensions(), md = mins.dimensions();
+  if (!group_of(sd, pb) || pb.group != kGX || md.size() != 3 ||
+      !std::equal(sd.begin(), sd.end(), md.begin()))
+    return ffi::Error::InvalidArgument(
+        "packed int4 matmul: scales and mins must be [P, K / 32, 16]");
+  pb.scales = scales.untyped_data();
+  pb.mins = static_cast<const uint16_t*>(mins.untyped_data());
   run(pool, pb);
   return ffi::Error::Success();
 }
@@ -291,4 +293,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulInt8, packed_matmul_int8,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
                                   .Arg<ffi::Buffer<ffi::S8>>()    // panels [P, K, 16] int8
                                   .Arg<ffi::Buffer<ffi::F32>>()   // scales [P, K / G, 16]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulInt4, packed_matmul_int4,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // panels [P, K, 8] nibbles
+                                  .Arg<ffi::Buffer<ffi::F16>>()   // scales [P, K / G, 16]
+                                  .Arg<ffi::Buffer<ffi::F16>>()   // mins [P, K / G, 16]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]

@@ -111,7 +111,7 @@ class LLM:
       attention_backend: "reference", "pallas" or "cpu"; None picks by platform.
       matmul_backend: "cpu" (the C++ CPU matmul kernel on packed weights; float32, one
         device) or "xla"; None: "cpu" where it applies (EngineConfig.matmul_backend).
-      quantization: None, or "int8": weight-only int8 with group scales on the CPU matmul
+      quantization: None, "int8" or "int4": weight-only, with group scales, on the CPU matmul
         kernel (EngineConfig.quantization); activations and KV stay as `dtype` says.
       max_logprobs: the most logprobs a request may ask for.
       enable_prefix_caching: reuse cached KV blocks of shared prompt prefixes (vLLM default).

@@ -93,15 +93,17 @@ def test_matmul_backend_is_chosen_and_checked():
 
 @pytest.mark.parametrize("m, k, n", [(1, 128, 40), (16, 576, 960), (97, 24, 130)])
 def test_int8_matmul_is_exact_on_its_dequantized_weights(m, k, n):
-    """The kernel computes x @ (q * scale).T: against float64 on the dequantized weights it
-    is as close as float32 allows; K = 24 has one group per column (64 does not divide it)."""
+    """The kernel computes x' @ (q * scale).T, x' the rows quantized per 32 inputs (as the
+    kernel does when 32 divides K): against float64 on those it is as close as float32 allows;
+    K = 24 has one group per column (64 does not divide it) and float rows."""
     rng = np.random.default_rng(m + k + n)
     x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((n, k), np.float32)
     p = cpu_matmul.pack(w, "int8")
     assert p.panels.dtype == jnp.int8 and p.scales.shape[1] == (k // 64 if k % 64 == 0 else 1)
     deq = np.asarray(cpu_matmul.unpack(p), np.float64)
     got = np.asarray(jax.jit(linear)(jnp.asarray(x), p))
-    np.testing.assert_allclose(got, x.astype(np.float64) @ deq.T, rtol=1e-5,
+    rows = cpu_matmul.quantized_rows(x) if k % 32 == 0 else x
+    np.testing.assert_allclose(got, rows.astype(np.float64) @ deq.T, rtol=1e-5,
                                atol=1e-5 * np.sqrt(k))
 
 
@@ -135,6 +137,6 @@ def test_int8_engine_is_batch_invariant_and_tracks_float32():
 
 def test_int8_needs_the_cpu_kernel():
     with pytest.raises(ValueError, match="quantization must be"):
-        EngineConfig(quantization="int4")
+        EngineConfig(quantization="fp4")
     with pytest.raises(ValueError, match="reads float weights"):
         EngineConfig(quantization="int8", matmul_backend="xla")

@@ -25,9 +25,10 @@ class EngineConfig:
       matmul_backend: "cpu" (projections and LM head packed for the C++ CPU matmul kernel,
         kernels/cpu_matmul.py: float32 on one CPU device) or "xla" (XLA's dot); None: "cpu"
         where it applies and builds.
-      quantization: weight-only quantization (vLLM's name): None, or "int8" (projections and
-        LM head as int8 with a float32 scale per output column and 64 inputs, read by the
-        CPU matmul kernel; needs matmul_backend "cpu").
+      quantization: weight-only quantization (vLLM's name): None, "int8" (projections and
+        LM head as int8 with a float32 scale per output column and 64 inputs) or "int4"
+        (4-bit codes with a float16 scale and min per output column and 32 inputs), read by
+        the CPU matmul kernel (kernels/cpu_matmul.py; needs matmul_backend "cpu").
       max_logprobs: the most top logprobs a request may ask for (static).
       seed: engine seed, used for requests without their own.
       enable_prefix_caching: reuse cached full blocks across requests (prefix_cache.py).
@@ -95,11 +96,12 @@ class EngineConfig:
         if self.matmul_backend not in (None, "cpu", "xla"):
             raise ValueError(f"matmul_backend must be 'cpu' or 'xla' (or None: by platform), "
                              f"got {self.matmul_backend!r}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be None, 'int8' or 'int4', "
+                             f"got {self.quantization!r}")
         if self.quantization and self.matmul_backend == "xla":
-            raise ValueError("quantization='int8' runs on the CPU matmul kernel; "
-                             "matmul_backend='xla' reads float weights")
+            raise ValueError(f"quantization={self.quantization!r} runs on the CPU matmul "
+                             f"kernel; matmul_backend='xla' reads float weights")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0 = no cap), "
                              f"got {self.long_prefill_token_threshold}")

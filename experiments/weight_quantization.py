@@ -1,0 +1,237 @@
+"""Weight-only quantization: float32, bfloat16, int8 and int4 weights on the paged engine,
+beside llama.cpp on the same GGUF, in one run.
+
+    python -m experiments.weight_quantization [--models smollm2 qwen2.5-coder-1.5b]
+                                              [--batches 1 16 64] [--rounds 3] [--quick]
+
+Sides per model (paged-jax with bench.py's limits, prefix caching off):
+  float32    the C++ matmul kernel on float32 panels (the default on CPU)
+  bfloat16   weights, activations and KV in bfloat16 (XLA's dot: the kernel is float32)
+  int8       quantization="int8": int8 codes, a float32 scale per column and 64 inputs
+  int4       quantization="int4": 4-bit codes, a float16 scale and min per column and 32
+             inputs, coded from the GGUF's dequantized weights (kernels/cpu_matmul.py)
+  llama.cpp  the GGUF's own tensor types and kernels (where `make peers` built it)
+
+Per model and side: weight bytes per parameter (what the side holds; for llama.cpp the
+GGUF's tensor data); decode tok/s per batch (chat prompts x 64 greedy tokens, EOS ignored;
+every side once per round in a rotating order, median of the rounds +- spread), with the
+batch-1 bandwidth roofline of the side's own bytes; perplexity of experiments/prompts.PASSAGE
+(teacher-forced, one sequence); greedy agreement with float32 on 16 chat prompts x 32 tokens
+(identical sequences, and each differing one's first differing position). Then the issue's
+targets, each with its measured value. Writes results/weight_quantization.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import numpy as np
+
+from experiments import bench, common
+from experiments.prompts import PASSAGE, prompt_ids
+
+QUANT = {"int8": dict(quantization="int8"), "int4": dict(quantization="int4")}
+TOKENS, AGREE = 64, (16, 32)  # tokens per speed run; agreement prompts x tokens
+DEFAULT_BATCHES = {"smollm2": [1, 16, 64], "qwen2.5-coder-1.5b": [1, 16]}
+
+
+def make_sides(model: str, parts) -> list:
+    """Every side of one model; the float32 parts are dropped once all are built."""
+    import jax
+    import jax.numpy as jnp
+
+    sides = [bench.Ours(parts, False, name="float32")]
+    sides += [bench.Ours(parts, False, name=q, **kw) for q, kw in QUANT.items()]
+    config, params, tok = parts
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    sides.append(bench.Ours((config, bf16, tok), False, name="bfloat16", dtype="bfloat16"))
+    peer = bench.make_sides(["llamacpp"], model, parts)
+    for s in peer:
+        s.name = "llama.cpp"
+    return sides + peer
+
+
+def weight_bytes(side, model: str) -> int:
+    """The bytes a side holds for the model's weights."""
+    from paged_jax.study.metrics import weight_bytes as nbytes
+
+    if isinstance(side, bench.Ours):
+        return nbytes(side.llm.llm_engine.runner.params)
+    import gguf
+
+    from paged_jax.models import model_path
+
+    return int(sum(t.n_bytes for t in gguf.GGUFReader(str(model_path(model))).tensors))
+
+
+def perplexity(side, ids: list[int]) -> float:
+    """exp(mean -log p) of each next token of `ids`, teacher-forced."""
+    if isinstance(side, bench.Ours):
+        from paged_jax import SamplingParams
+
+        out = side.llm.generate([{"prompt_token_ids": ids}],
+                                SamplingParams(max_tokens=1, prompt_logprobs=0),
+                                use_tqdm=False)[0]
+        nll = [-d[t].logprob for d, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
+    else:
+        nll = side.worker.call("score", ids=ids)["nll"]
+    return float(np.exp(np.mean(nll)))
+
+
+def agreement(runs: dict[str, list[list[int]]]) -> dict:
+    """Per side, against float32's greedy tokens: identical sequences, first differences."""
+    ref = runs["float32"]
+    out = {}
+    for name, toks in runs.items():
+        first = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None)
+                 for x, y in zip(toks, ref, strict=True)]
+        out[name] = dict(identical=sum(f is None for f in first), of=len(ref),
+                         first_difference=[f for f in first if f is not None])
+    return out
+
+
+def speed(sides: list, tok, batches: list[int], rounds: int) -> tuple[dict, dict]:
+    """({row: {side: tok/s per round}}, {row: its prompts})."""
+    rows = {f"batch {b}": (b, TOKENS, False) for b in batches}
+    m = bench.measure(sides, rows, tok, rounds)
+    return {r: {s: [n * t / x["seconds"] for x in runs] for s, runs in m["runs"][r].items()}
+            for r, (n, t, _) in rows.items()}, m["work"]
+
+
+def summarize(model: str, sides: list, config, n_params: int, measured: dict) -> dict:
+    """One model's table: a row per side."""
+    from paged_jax.study.metrics import kv_bytes_per_token, measure_bandwidth
+
+    (tps, work), ppl, agree = measured["speed"], measured["ppl"], measured["agree"]
+    bw, rows = measure_bandwidth(), []
+    ctx = len(work["batch 1"][0]) + TOKENS / 2 if "batch 1" in work else 0
+    kv = kv_bytes_per_token(config, np.float32) * ctx
+    for s in sides:
+        wb = weight_bytes(s, model)
+        row = dict(side=s.name, settings=s.settings, weight_bytes=wb,
+                   bytes_per_param=wb / n_params, perplexity=ppl[s.name], **agree[s.name])
+        for r, by_side in tps.items():
+            runs = by_side[s.name]
+            row[r] = dict(tok_s=statistics.median(runs), spread=common.spread(runs), runs=runs,
+                          vs_float32=common.compare(runs, by_side["float32"]))
+        row["batch_1_roofline_tok_s"] = bw / (wb + kv) if "batch 1" in tps else None
+        rows.append(row)
+    return dict(model=model, parameters=n_params, bandwidth_bytes_s=bw, sides=rows)
+
+
+def run_model(model: str, batches: list[int], rounds: int) -> dict:
+    import jax
+
+    from experiments import serving as sv
+
+    parts = sv.real_model("float32", model)
+    config, tok = parts[0], parts[2]
+    n_params = sum(x.size for x in jax.tree.leaves(parts[1]))
+    sides = make_sides(model, parts)
+    del parts  # each side holds its own weights: the float32 ones would double the memory
+    try:
+        ids = tok.encode(PASSAGE)
+        ppl = {s.name: perplexity(s, ids) for s in sides}
+        prompts = prompt_ids(tok, AGREE[0])
+        agree = agreement({s.name: s.run(prompts, AGREE[1])["tokens"] for s in sides})
+        measured = dict(speed=speed(sides, tok, batches, rounds), ppl=ppl, agree=agree)
+    finally:
+        for s in sides:
+            s.close()
+    return summarize(model, sides, config, n_params, measured)
+
+
+def _side(res: dict, name: str) -> dict | None:
+    return next((s for s in res["sides"] if s["side"] == name), None)
+
+
+def targets(results: list[dict]) -> list[dict]:
+    """The issue's targets on the largest model measured (speed, memory) and on each model
+    (quality), each with its measured value and a verdict that can fail."""
+    big = max(results, key=lambda r: r["parameters"])
+    f32, out = _side(big, "float32"), []
+
+    def speedup(name: str, bar: float) -> None:
+        s = _side(big, name)
+        if s is None or "batch 1" not in s:
+            return
+        c = s["batch 1"]["vs_float32"]
+        met = c["ratio"] >= bar and c["verdict"] == "higher"
+        out.append(dict(target=f"{big['model']} batch 1: {name} >= {bar}x float32",
+                        value=c["ratio"], met=met))
+
+    speedup("int8", 2.0)
+    speedup("int4", 3.0)
+    peer, best = _side(big, "llama.cpp"), _side(big, "int4")
+    if peer and best and "batch 1" in best:
+        c = common.compare(best["batch 1"]["runs"], peer["batch 1"]["runs"])
+        out.append(dict(target=f"{big['model']} batch 1: int4 >= 0.8x llama.cpp",
+                        value=c["ratio"], verdict=c["verdict"],
+                        met=c["ratio"] >= 0.8 and c["verdict"] != "lower"))
+    for res in results:
+        int8 = _side(res, "int8")
+        if "batch 64" in int8:
+            c = int8["batch 64"]["vs_float32"]
+            out.append(dict(target=f"{res['model']} batch 64: int8 not slower than float32",
+                            value=c["ratio"], verdict=c["verdict"], met=c["verdict"] != "lower"))
+        base = _side(res, "float32")["perplexity"]
+        for name, bar in (("int8", 0.01), ("int4", 0.05)):
+            change = _side(res, name)["perplexity"] / base - 1
+            out.append(dict(target=f"{res['model']} perplexity: {name} within {bar:.0%}",
+                            value=change, met=abs(change) <= bar))
+        out.append(dict(target=f"{res['model']} greedy: int8 identical on >= 12 / 16",
+                        value=int8["identical"], met=int8["identical"] >= 12))
+    for name, bar in (("int8", 0.27), ("int4", 0.15)):
+        ratio = _side(big, name)["weight_bytes"] / f32["weight_bytes"]
+        out.append(dict(target=f"{big['model']} weight bytes: {name} <= {bar}x float32",
+                        value=ratio, met=ratio <= bar))
+    return out
+
+
+def report(results: list[dict], goals: list[dict]) -> str:
+    lines = []
+    for res in results:
+        batches = [k for k in res["sides"][0] if k.startswith("batch ")]
+        lines += [f"\n{res['model']} ({res['parameters'] / 1e6:.0f}M parameters)",
+                  "| side | bytes/param | " + " | ".join(f"{b} tok/s (x float32)" for b in batches)
+                  + " | batch 1 roofline | perplexity | greedy = float32 |",
+                  "|---" * (5 + len(batches)) + "|"]
+        for s in res["sides"]:
+            cells = [f"{s[b]['tok_s']:.1f} +-{s[b]['spread']:.1f} "
+                     f"({s[b]['vs_float32']['ratio']:.2f}x)" for b in batches]
+            lines.append(f"| {s['side']} | {s['bytes_per_param']:.3f} | " + " | ".join(cells)
+                         + f" | {s['batch_1_roofline_tok_s'] or 0:.0f} | {s['perplexity']:.3f}"
+                         f" | {s['identical']} / {s['of']} |")
+    lines.append("\nTargets:")
+    lines += [f"  {'met' if g['met'] else 'NOT met'}: {g['target']} (measured {g['value']:.3g})"
+              for g in goals]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["smollm2", "qwen2.5-coder-1.5b"])
+    ap.add_argument("--batches", type=int, nargs="+", default=None,
+                    help="decode batches (default: 1 16 64 on SmolLM2, 1 16 on larger models)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="SmolLM2, batch 1, one round")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.models, a.batches, a.rounds = ["smollm2"], [1], 1
+    results = [run_model(m, a.batches or DEFAULT_BATCHES.get(m, [1, 16]), a.rounds)
+               for m in a.models]
+    goals = targets(results)
+    payload = dict(config=dict(models=a.models, rounds=a.rounds, tokens=TOKENS,
+                               agreement=dict(prompts=AGREE[0], tokens=AGREE[1]),
+                               limits=bench.LIMITS, greedy=True, ignore_eos=True),
+                   models=results, targets=goals)
+    payload["json"] = str(common.save_json(
+        "weight_quantization" + ("_quick" if a.quick else ""), payload))
+    print(report(results, goals))
+    return payload
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

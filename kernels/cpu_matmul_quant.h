@@ -1,0 +1,181 @@
+// Int8 and int4 weights for cpu_matmul.cc (included inside its namespace, after v8 / load /
+// store).
+//
+// A panel of 16 columns holds its codes in blocks of consecutive k, so that one 32-byte load
+// gives, for columns 0..7 (or 8..15), four consecutive k in each 32-bit lane: the operand of a
+// 4-way byte dot product (AVX2 vpmaddubsw + vpmaddwd, or AVX-VNNI vpdpbusd).
+//
+//   int8  blocks of 4 k, 64 bytes:  byte (b, c, j) = q[4b + j, c]                  (signed)
+//         w = scale * q, a float32 scale per column and group of G k (64, or K)
+//   int4  blocks of 8 k, 64 bytes:  byte (b, c, j) = q[8b + j, c] | q[8b + 4 + j, c] << 4
+//         w = scale * q + min, q in 0..15, a float16 scale and min per column and 32 k
+//
+// The activations are quantized too, per row and group of 32 k: xq = round(x / s) in int8,
+// s = max |x| / 127 (as llama.cpp's Q8 activations). A single row (batch-1 decode, bound by
+// the integer work once the weights are narrow) multiplies codes in integers; per 32 k,
+//
+//   sum_k w[k, c] x[k] = scale_c * s * sum_k q[k, c] xq[k]  (+ min_c * s * sum_k xq[k])
+//
+// Two rows or more run the float micro-kernel on the decoded panel and on x quantized and
+// dequantized the same way, so a row's result does not depend on its batch beyond the order
+// of float sums. Int8 with K not a multiple of 32 keeps float activations on both paths.
+
+constexpr int64_t kGX = 32;  // k per activation group (and per int4 weight group)
+
+// 8 float16 (raw bits) -> 8 float32.
+inline v8 half8(const uint16_t* p) {
+#ifdef __F16C__
+  return (v8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  v8 out;
+  for (int i = 0; i < 8; ++i) {  // normal, subnormal and zero halves (no inf / nan in scales)
+    const uint32_t h = p[i], e = (h >> 10) & 31, m = h & 1023;
+    const float mag = e ? std::ldexp(float(m | 1024), int(e) - 25) : std::ldexp(float(m), -24);
+    out[i] = (h & 0x8000) ? -mag : mag;
+  }
+  return out;
+#endif
+}
+
+// Rows of x quantized per group of kGX: codes, each group's scale and its sum of codes.
+struct QuantRows {
+  std::vector<int8_t> q;       // [M, K]
+  std::vector<float> scale;    // [M, K / kGX]
+  std::vector<int32_t> sum;    // [M, K / kGX]
+  std::vector<float> dequant;  // [M, K]: q * scale, what the float path multiplies
+
+  void set(const float* x, int64_t M, int64_t K) {
+    q.resize(M * K), scale.resize(M * K / kGX), sum.resize(M * K / kGX), dequant.resize(M * K);
+    for (int64_t g = 0; g < M * K / kGX; ++g) group(x + g * kGX, g);
+  }
+
+ private:
+  void group(const float* x, int64_t g) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < kGX; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t v[kGX], total = 0;
+#ifdef __AVX2__  // round to nearest even, as lrintf, 8 at a time
+    for (int64_t i = 0; i < kGX; i += 8)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + i),
+                          _mm256_cvtps_epi32((__m256)(load(x + i) * inv)));
+#else
+    for (int64_t i = 0; i < kGX; ++i) v[i] = int32_t(std::lrintf(x[i] * inv));
+#endif
+    for (int64_t i = 0; i < kGX; ++i) {
+      q[g * kGX + i] = int8_t(v[i]), total += v[i];
+      dequant[g * kGX + i] = float(v[i]) * s;
+    }
+    scale[g] = s, sum[g] = total;
+  }
+};
+
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8u __attribute__((vector_size(32), aligned(1)));
+typedef int32_t i32x8u __attribute__((vector_size(32), aligned(1)));
+
+// An int8 panel decoded to float32 [K, 16].
+void decode_panel8(const int8_t* q, const float* scales, int64_t group, int64_t K, float* out) {
+  for (int64_t g = 0; g < K; g += group, scales += kNR) {
+    const v8 s[2] = {load(scales), load(scales + 8)};
+    for (int64_t b = g; b < g + group; b += 4)
+      for (int h = 0; h < 2; ++h) {  // columns 0..7, then 8..15
+        const i32x8 w = *reinterpret_cast<const i32x8u*>(q + b * kNR + h * 32);
+        for (int j = 0; j < 4; ++j)  // byte j of each lane, sign-extended
+          store(out + (b + j) * kNR + 8 * h,
+                __builtin_convertvector((w << (24 - 8 * j)) >> 24, v8) * s[h]);
+      }
+  }
+}
+
+// An int4 panel decoded to float32 [K, 16].
+void decode_panel4(const uint8_t* q, const uint16_t* scales, const uint16_t* mins, int64_t K,
+                   float* out) {
+  for (int64_t g = 0; g < K; g += kGX, scales += kNR, mins += kNR) {
+    const v8 s[2] = {half8(scales), half8(scales + 8)}, m[2] = {half8(mins), half8(mins + 8)};
+    for (int64_t b = g; b < g + kGX; b += 8)
+      for (int h = 0; h < 2; ++h) {
+        const u32x8u w = *reinterpret_cast<const u32x8u*>(q + b * 8 + h * 32);
+        for (int j = 0; j < 4; ++j) {
+          const v8 lo = __builtin_convertvector((i32x8)((w >> (8 * j)) & 15), v8);
+          const v8 hi = __builtin_convertvector((i32x8)((w >> (8 * j + 4)) & 15), v8);
+          store(out + (b + j) * kNR + 8 * h, lo * s[h] + m[h]);
+          store(out + (b + 4 + j) * kNR + 8 * h, hi * s[h] + m[h]);
+        }
+      }
+  }
+}
+
+#ifdef __AVX2__
+constexpr bool kIntegerRow = true;
+
+// acc (int32 lanes) += the 4-way dot products of unsigned bytes u and signed bytes s.
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+#ifdef __AVXVNNI__
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else  // u is at most 127 here (|w| of int8, or int4 codes): pairs stay within int16
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                 _mm256_set1_epi16(1)));
+#endif
+}
+
+inline __m256i load256(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+inline void store_row(float* y, int64_t cols, v8 a0, v8 a1) {
+  float tile[kNR];
+  store(tile, a0);
+  store(tile + 8, a1);
+  std::memcpy(y, tile, cols * sizeof(float));
+}
+
+// One quantized row against an int8 panel: signed x signed as |w| x (x * sign(w)).
+void micro_row_int8(const QuantRows& x, int64_t K, const int8_t* q, const float* scales,
+                    int64_t group, float* y, int64_t cols) {
+  v8 a0 = {}, a1 = {};
+  for (int64_t g = 0; g < K; g += kGX) {
+    __m256i c0 = _mm256_setzero_si256(), c1 = _mm256_setzero_si256();
+    for (int64_t b = g; b < g + kGX; b += 4) {
+      int32_t xv;
+      std::memcpy(&xv, x.q.data() + b, 4);
+      const __m256i xb = _mm256_set1_epi32(xv), w0 = load256(q + b * kNR),
+                    w1 = load256(q + b * kNR + 32);
+      c0 = dot4(c0, _mm256_abs_epi8(w0), _mm256_sign_epi8(xb, w0));
+      c1 = dot4(c1, _mm256_abs_epi8(w1), _mm256_sign_epi8(xb, w1));
+    }
+    const float s = x.scale[g / kGX];
+    const float* sw = scales + (g / group) * kNR;
+    a0 += (v8)_mm256_cvtepi32_ps(c0) * (load(sw) * s);
+    a1 += (v8)_mm256_cvtepi32_ps(c1) * (load(sw + 8) * s);
+  }
+  store_row(y, cols, a0, a1);
+}
+
+// One quantized row against an int4 panel.
+void micro_row_int4(const QuantRows& x, int64_t K, const uint8_t* q, const uint16_t* scales,
+                    const uint16_t* mins, float* y, int64_t cols) {
+  const __m256i nib = _mm256_set1_epi8(15);
+  v8 a0 = {}, a1 = {};
+  for (int64_t g = 0; g < K; g += kGX, scales += kNR, mins += kNR) {
+    __m256i c0 = _mm256_setzero_si256(), c1 = _mm256_setzero_si256();
+    for (int64_t b = g; b < g + kGX; b += 8) {
+      int32_t xl, xh;
+      std::memcpy(&xl, x.q.data() + b, 4);
+      std::memcpy(&xh, x.q.data() + b + 4, 4);
+      const __m256i lo = _mm256_set1_epi32(xl), hi = _mm256_set1_epi32(xh);
+      const __m256i w0 = load256(q + b * 8), w1 = load256(q + b * 8 + 32);
+      c0 = dot4(dot4(c0, _mm256_and_si256(w0, nib), lo),
+                _mm256_and_si256(_mm256_srli_epi16(w0, 4), nib), hi);
+      c1 = dot4(dot4(c1, _mm256_and_si256(w1, nib), lo),
+                _mm256_and_si256(_mm256_srli_epi16(w1, 4), nib), hi);
+    }
+    const float s = x.scale[g / kGX], ms = s * float(x.sum[g / kGX]);
+    a0 += (v8)_mm256_cvtepi32_ps(c0) * (half8(scales) * s) + half8(mins) * ms;
+    a1 += (v8)_mm256_cvtepi32_ps(c1) * (half8(scales + 8) * s) + half8(mins + 8) * ms;
+  }
+  store_row(y, cols, a0, a1);
+}
+#else
+constexpr bool kIntegerRow = false;  // one row runs the float path too
+#endif

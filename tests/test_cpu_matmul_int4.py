@@ -1,0 +1,134 @@
+"""kernels/cpu_matmul with int4 weights: the codes and their grid, the kernel against float64
+on the dequantized weights and the quantized activations (one row: integer dot products; more:
+the float micro-kernel), and the engine on an int4 model."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels import cpu_matmul
+from paged_jax import compile_cache
+from paged_jax.cache.kv_cache import init_kv_cache
+from paged_jax.engine import EngineConfig
+from paged_jax.models.llama import forward, linear, pack_params, prepare_params
+from paged_jax.models.testing import random_params, tiny_config
+from tests.engine_helpers import GREEDY, engine, prompts, run, tokens
+
+pytestmark = pytest.mark.skipif(not cpu_matmul.load(str(compile_cache.kernel_folder())),
+                                reason="no C++ compiler on this machine: the kernel cannot build")
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 32, 16), (1, 576, 960), (1, 96, 41), (2, 64, 33),
+                                     (16, 576, 960), (97, 128, 130)])
+def test_int4_matmul_is_exact_on_its_codes(m, k, n):
+    """x @ w.T on the dequantized weights and rows, as close as float32 sums allow; a
+    partial last panel (n not a multiple of 16); the tied-embedding lookup reads the same
+    weights back."""
+    rng = np.random.default_rng(m + k + n)
+    x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((n, k), np.float32)
+    p = cpu_matmul.pack(w, "int4")
+    assert p.panels.dtype == jnp.uint8 and p.panels.shape == (-(-n // 16), k, 8)
+    assert p.scales.dtype == p.mins.dtype == jnp.float16 and p.scales.shape[1] == k // 32
+    deq = np.asarray(cpu_matmul.unpack(p), np.float64)
+    got = np.asarray(jax.jit(linear)(jnp.asarray(x), p))
+    want = cpu_matmul.quantized_rows(x).astype(np.float64) @ deq.T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    ids = np.asarray([0, n - 1, n // 2, min(8, n - 1)])
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.rows(p, jnp.asarray(ids))), deq[ids])
+
+
+def test_int4_single_rows_equal_the_batch():
+    """The integer path (one row) and the float path (several) multiply the same numbers."""
+    rng = np.random.default_rng(7)
+    x, w = rng.standard_normal((9, 576), np.float32), rng.standard_normal((200, 576), np.float32)
+    p, f = cpu_matmul.pack(w, "int4"), jax.jit(linear)
+    batched = np.asarray(f(jnp.asarray(x), p))
+    single = np.concatenate([np.asarray(f(jnp.asarray(x[i:i + 1]), p)) for i in range(9)])
+    np.testing.assert_allclose(single, batched, rtol=1e-5, atol=1e-4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 40), groups=st.integers(1, 4), seed=st.integers(0, 2**16),
+       spread=st.floats(1e-3, 10.0))
+def test_int4_codes_no_worse_than_sixteen_even_levels(n, groups, seed, spread):
+    """Each group's error (its L2 norm) is at most that of plain round-to-nearest on 16
+    levels from its min to its max, plus what float16 scales and mins may move each weight
+    (2^-10 of the group's |min| + range)."""
+    k = 32 * groups
+    w = (np.random.default_rng(seed).standard_normal((n, k)) * spread).astype(np.float32)
+    deq = np.asarray(cpu_matmul.unpack(cpu_matmul.pack(w, "int4")))
+    g, d = w.reshape(n, groups, 32), deq.reshape(n, groups, 32)
+    lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
+    step = (hi - lo) / 15
+    rtn = lo + np.rint((g - lo) / np.where(step > 0, step, 1)) * step
+    slack = np.sqrt(32) * (np.abs(lo) + (hi - lo))[..., 0] * 2.0**-10
+    norm = lambda e: np.sqrt((e.astype(np.float64) ** 2).sum(-1))  # noqa: E731
+    assert np.all(norm(d - g) <= norm(rtn - g) + slack)
+
+
+def test_int4_codes_a_q4_grid_losslessly():
+    """Weights already on a 4-bit grid per 32 (a GGUF Q4_1 / Q4_K block, dequantized) come
+    back to float16 precision, whatever levels each block uses."""
+    rng = np.random.default_rng(1)
+    d = rng.uniform(0.01, 0.1, (24, 3, 1)).astype(np.float16).astype(np.float32)
+    mn = rng.uniform(-1, 0, (24, 3, 1)).astype(np.float16).astype(np.float32)
+    levels = rng.integers(2, 17, (24, 3, 1))
+    w = (rng.integers(0, 16, (24, 3, 32)) % levels * d + mn).reshape(24, 96).astype(np.float32)
+    deq = np.asarray(cpu_matmul.unpack(cpu_matmul.pack(w, "int4")))
+    assert np.abs(deq - w).max() <= 2.0**-10
+
+
+def test_int4_needs_a_width_that_is_a_multiple_of_32():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_matmul.pack(np.ones((16, 48), np.float32), "int4")
+    with pytest.raises(ValueError, match="one of"):
+        cpu_matmul.pack(np.ones((16, 64), np.float32), "int3")
+    with pytest.raises(ValueError, match="quantization must be"):
+        EngineConfig(quantization="awq")
+    with pytest.raises(ValueError, match="reads float weights"):
+        EngineConfig(quantization="int4", matmul_backend="xla")
+
+
+def test_int4_engine_is_batch_invariant():
+    """quantization="int4" on the tiny model: batched greedy tokens equal one-at-a-time ones
+    (one row runs integer dot products, several the float kernel)."""
+    reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(6))]
+    q = engine(quantization="int4")
+    assert q.runner.params["layers"][0]["w_qkv"].panels.dtype == jnp.uint8
+    batched = run(q, reqs)
+    single = {rid: run(engine(quantization="int4"), [(rid, p, sp)])[rid] for rid, p, sp in reqs}
+    for i in range(6):
+        assert tokens(batched, str(i)) == tokens(single, str(i)), f"prompt {i}"
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_int4_logits_track_float32(tied):
+    """The tiny model's logits with int4 weights: within 1% (of the largest) of XLA on the
+    dequantized weights (the rest is the activations' int8 codes) and within 15% of float32
+    (Gaussian random weights in 4 bits), with the same argmax at every position."""
+    config = tiny_config(tie_word_embeddings=tied)
+    params = prepare_params(random_params(config))
+    t = 5
+    args = (jnp.arange(t, dtype=jnp.int32) + 3, jnp.arange(t, dtype=jnp.int32),
+            jnp.arange(t, dtype=jnp.int32) + config.head_dim, jnp.asarray([[1, 2]], jnp.int32),
+            jnp.asarray([t], jnp.int32), jnp.asarray([0, t], jnp.int32))
+    fwd = jax.jit(lambda p, c: forward(p, c, *args, config=config, max_q=t, all_logits=True))
+
+    def logits(p):
+        cache = init_kv_cache(config.num_layers, config.num_kv_heads, 4, config.head_dim,
+                              config.head_dim, jnp.float32)
+        return np.asarray(fwd(p, cache)[0])
+
+    packed = pack_params(params, "int4")
+    is_packed = lambda x: isinstance(x, cpu_matmul.Packed)  # noqa: E731
+    deq = jax.tree.map(lambda x: cpu_matmul.unpack(x) if is_packed(x) else x, packed,
+                       is_leaf=is_packed)
+    q, d, f = logits(packed), logits(deq), logits(params)
+    assert np.abs(q - d).max() <= 0.01 * np.abs(d).max()
+    assert np.abs(q - f).max() <= 0.15 * np.abs(f).max()
+    np.testing.assert_array_equal(q.argmax(-1), f.argmax(-1))
