@@ -24,7 +24,8 @@ from experiments import common
 from experiments.bench import LIMITS
 from experiments.prompts import prompt_ids
 
-SIDES = {"window 8": dict(decode_window=8), "sync": dict(decode_window=1),
+SIDES = {"window 8": dict(decode_window=8, async_scheduling=False),
+         "sync": dict(decode_window=1, async_scheduling=False),
          "async": dict(async_scheduling=True)}
 
 

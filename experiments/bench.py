@@ -77,6 +77,7 @@ class Ours:
                              quantization=llm_kw.get("quantization"),
                              enable_prefix_caching=caching,
                              decode_window=self.llm.engine_config.decode_window,
+                             async_scheduling=self.llm.engine_config.async_scheduling,
                              attention_backend=runner.cfg.backend, matmul_backend=runner.matmul,
                              **LIMITS)
         self.versions = {}
@@ -220,7 +221,7 @@ def limits(parts, rows: dict, work: dict) -> dict:
     config, params = parts[0], parts[1]
     bw = measure_bandwidth()
     forms = {"xla": prepare_params(params)}
-    if matmul_backend(None, forms["xla"]["embed"].dtype, 1) == "cpu":
+    if matmul_backend(None, forms["xla"]["embed"].dtype) == "cpu":
         forms["cpu"] = pack_params(forms["xla"])
     steps: dict[int, dict] = {}  # one chain per batch size (batch 16 and prefix share it)
     out = {}

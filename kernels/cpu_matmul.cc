@@ -125,7 +125,7 @@ struct Problem {
   int64_t M, K, N, P;
   const float* x;
   const void* panels;  // float, int8_t or (int4) uint8_t
-  const void* scales;  // int8: float [P, K / group, 16]; int4: float16 bits, the same shape
+  const void* scales;  // int8 / int4: float16 bits [P, K / group, 16]
   const uint16_t* mins;  // int4 only: float16 bits [P, K / group, 16]
   const QuantRows* xq;   // int8 / int4: x quantized (pb.x then points at its dequantized rows)
   int64_t group;
@@ -139,7 +139,7 @@ struct Problem {
     const int64_t sp = p * (K / group) * kNR;
     if (mins == nullptr)
       decode_panel8(static_cast<const int8_t*>(panels) + p * K * kNR,
-                    static_cast<const float*>(scales) + sp, group, K, buf.data());
+                    static_cast<const uint16_t*>(scales) + sp, group, K, buf.data());
     else
       decode_panel4(static_cast<const uint8_t*>(panels) + p * K * 8,
                     static_cast<const uint16_t*>(scales) + sp, mins + sp, K, buf.data());
@@ -153,7 +153,8 @@ void row_integer(const Problem& pb, int64_t p, int64_t cols) {
   const int64_t sp = p * (pb.K / pb.group) * kNR;
   if (pb.mins == nullptr)
     micro_row_int8(*pb.xq, pb.K, static_cast<const int8_t*>(pb.panels) + p * pb.K * kNR,
-                   static_cast<const float*>(pb.scales) + sp, pb.group, pb.y + p * kNR, cols);
+                   static_cast<const uint16_t*>(pb.scales) + sp, pb.group, pb.y + p * kNR,
+                   cols);
   else
     micro_row_int4(*pb.xq, pb.K, static_cast<const uint8_t*>(pb.panels) + p * pb.K * 8,
                    static_cast<const uint16_t*>(pb.scales) + sp, pb.mins + sp, pb.y + p * kNR,
@@ -248,14 +249,14 @@ ffi::Error packed_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 ffi::Error packed_matmul_int8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                              ffi::Buffer<ffi::S8> panels, ffi::Buffer<ffi::F32> scales,
+                              ffi::Buffer<ffi::S8> panels, ffi::Buffer<ffi::F16> scales,
                               ffi::ResultBuffer<ffi::F32> y) {
   Problem pb;
   if (!problem(x, panels.typed_data(), panels.dimensions(), y, pb))
     return ffi::Error::InvalidArgument(kShapes);
   if (!group_of(scales.dimensions(), pb))
     return ffi::Error::InvalidArgument("packed int8 matmul: scales must be [P, K / G, 16]");
-  pb.scales = scales.typed_data();
+  pb.scales = scales.untyped_data();
   run(pool, pb);
   return ffi::Error::Success();
 }
@@ -292,7 +293,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulInt8, packed_matmul_int8,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
                                   .Arg<ffi::Buffer<ffi::S8>>()    // panels [P, K, 16] int8
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // scales [P, K / G, 16]
+                                  .Arg<ffi::Buffer<ffi::F16>>()   // scales [P, K / G, 16]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulInt4, packed_matmul_int4,

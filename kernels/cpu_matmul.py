@@ -15,11 +15,13 @@ and the 16-row LM head 14.7 against 23.5 ms).
     matmul     x [..., K] @ w.T -> [..., N], float32
     rows       w[ids] read back from the panels (a tied embedding's lookup)
 
-Int8 (`pack(w, "int8")`): symmetric, round to nearest, a float32 scale per output column and
-group of G = 64 consecutive inputs (G = K when 64 does not divide K): max |w| of the group /
-127. Int4 (`pack(w, "int4")`): asymmetric, 4-bit codes with a float16 scale and min per column
-and 32 inputs; each group's grid is searched (`_int4_groups`), so weights that came from a
-GGUF Q4 block (dequantized at load) are coded on that block's own grid, nearly losslessly.
+Int8 (`pack(w, "int8")`): symmetric, round to nearest, a float16 scale per output column and
+group of G = 32 consecutive inputs (G = K when 32 does not divide K): max |w| of the group /
+127; 32 as int4, so that a group never straddles two devices' shards under tensor parallelism
+when K / N is a multiple of 32 (parallel.pack_shards). Int4 (`pack(w, "int4")`): asymmetric,
+4-bit codes with a float16 scale and min per column and 32 inputs; each group's grid is
+searched (`_int4_groups`), so weights that came from a GGUF Q4 block (dequantized at load)
+are coded on that block's own grid, nearly losslessly.
 Against either, the kernel quantizes x per row and 32 inputs to int8 (`quantized_rows`, as
 llama.cpp quantizes activations to Q8): one row (batch-1 decode) then runs integer dot
 products on the codes, several rows the float micro-kernel on decoded panels.
@@ -42,7 +44,7 @@ TARGET = "paged_jax_cpu_packed_matmul"
 TARGET_INT8 = "paged_jax_cpu_packed_matmul_int8"
 TARGET_INT4 = "paged_jax_cpu_packed_matmul_int4"
 NR = 16  # output columns per panel (cpu_matmul.cc's kNR)
-GROUP = 64  # int8: inputs per scale
+GROUP = 32  # int8: inputs per scale (int4's too: a group never straddles a TP shard of 32)
 GROUP4 = 32  # int4: inputs per scale and min (GGUF's Q4 block)
 WEIGHT_TYPES = ("float32", "int8", "int4")
 
@@ -52,7 +54,7 @@ WEIGHT_TYPES = ("float32", "int8", "int4")
 @dataclasses.dataclass(frozen=True)
 class Packed:
     """A [n, K] weight packed for `matmul`: panels [ceil(n / 16), K, 16], float32 or int8
-    (blocks of 4 k) with float32 scales [ceil(n / 16), K / G, 16]; or int4, panels
+    (blocks of 4 k) with float16 scales [ceil(n / 16), K / G, 16]; or int4, panels
     [ceil(n / 16), K, 8] of two codes a byte (blocks of 8 k) with float16 scales and mins
     [ceil(n / 16), K / 32, 16]."""
 
@@ -76,9 +78,9 @@ class Packed:
         return jnp.dtype(jnp.float32)
 
 
-def pack(w, weights: str = "float32") -> Packed:
-    """Packs a float [N, K] weight on the host (numpy) as `weights` ("float32" or "int8")
-    and places it on the device."""
+def pack(w, weights: str = "float32", device=None) -> Packed:
+    """Packs a float [N, K] weight on the host (numpy) as `weights` ("float32", "int8" or
+    "int4") and places it on `device` (default: the default device)."""
     if weights not in WEIGHT_TYPES:
         raise ValueError(f"packed weights are one of {WEIGHT_TYPES}, got {weights!r}")
     w = np.asarray(w, np.float32)
@@ -87,23 +89,26 @@ def pack(w, weights: str = "float32") -> Packed:
     padded = np.zeros((p * NR, k), np.float32)
     padded[:n] = w
     panels = padded.reshape(p, NR, k).transpose(0, 2, 1)  # [P, K, 16]
+    put = functools.partial(jax.device_put, device=device)
     if weights == "float32":
-        return Packed(jax.device_put(np.ascontiguousarray(panels)), n)
+        return Packed(put(np.ascontiguousarray(panels)), n)
     if weights == "int4":
-        return _pack_int4(panels, n)
+        return Packed(*_pack_int4(panels, n, put))
     if k % 4:
         raise ValueError(f"int8 weights need an input width that is a multiple of 4, got {k}")
     g = GROUP if k % GROUP == 0 else k
     groups = panels.reshape(p, k // g, g, NR)
-    scales = np.abs(groups).max(axis=2) / 127.0  # [P, K / G, 16]
-    q = np.rint(groups / np.where(scales > 0, scales, 1.0)[:, :, None, :])
+    scales = (np.abs(groups).max(axis=2) / 127.0).astype(np.float16)  # [P, K / G, 16]
+    s32 = scales.astype(np.float32)
+    q = np.rint(groups / np.where(s32 > 0, s32, 1.0)[:, :, None, :])
     q = np.clip(q, -127, 127).astype(np.int8).reshape(p, k // 4, 4, NR)
     q = np.ascontiguousarray(q.transpose(0, 1, 3, 2)).reshape(p, k, NR)  # blocks of 4 k
-    return Packed(jax.device_put(q), n, jax.device_put(scales.astype(np.float32)))
+    return Packed(put(q), n, put(scales))
 
 
-def _pack_int4(panels: np.ndarray, n: int, chunk: int = 256) -> Packed:
-    """Int4 panels of float [P, K, 16] ones, `chunk` panels at a time (bounded host memory)."""
+def _pack_int4(panels: np.ndarray, n: int, put, chunk: int = 256) -> tuple:
+    """Int4 panels of float [P, K, 16] ones, `chunk` panels at a time (bounded host memory):
+    Packed's fields, placed with `put`."""
     p, k, _ = panels.shape
     if k % GROUP4:
         raise ValueError(f"int4 weights need an input width that is a multiple of {GROUP4}, "
@@ -114,7 +119,7 @@ def _pack_int4(panels: np.ndarray, n: int, chunk: int = 256) -> Packed:
     # Blocks of 8 k (cpu_matmul_int4.h): byte (b, c, j) = q[8b + j, c] | q[8b + 4 + j, c] << 4.
     q = q.reshape(p, k // 8, 2, 4, NR).transpose(0, 1, 2, 4, 3)  # [P, K/8, half, c, j]
     nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).astype(np.uint8).reshape(p, k, 8)
-    return Packed(jax.device_put(nibbles), n, jax.device_put(scales), jax.device_put(mins))
+    return put(nibbles), n, put(scales), put(mins)
 
 
 def _codes8(panels: jax.Array) -> jax.Array:

@@ -6,7 +6,7 @@
 // 4-way byte dot product (AVX2 vpmaddubsw + vpmaddwd, or AVX-VNNI vpdpbusd).
 //
 //   int8  blocks of 4 k, 64 bytes:  byte (b, c, j) = q[4b + j, c]                  (signed)
-//         w = scale * q, a float32 scale per column and group of G k (64, or K)
+//         w = scale * q, a float16 scale per column and group of G k (32, or K)
 //   int4  blocks of 8 k, 64 bytes:  byte (b, c, j) = q[8b + j, c] | q[8b + 4 + j, c] << 4
 //         w = scale * q + min, q in 0..15, a float16 scale and min per column and 32 k
 //
@@ -75,9 +75,10 @@ typedef uint32_t u32x8u __attribute__((vector_size(32), aligned(1)));
 typedef int32_t i32x8u __attribute__((vector_size(32), aligned(1)));
 
 // An int8 panel decoded to float32 [K, 16].
-void decode_panel8(const int8_t* q, const float* scales, int64_t group, int64_t K, float* out) {
+void decode_panel8(const int8_t* q, const uint16_t* scales, int64_t group, int64_t K,
+                   float* out) {
   for (int64_t g = 0; g < K; g += group, scales += kNR) {
-    const v8 s[2] = {load(scales), load(scales + 8)};
+    const v8 s[2] = {half8(scales), half8(scales + 8)};
     for (int64_t b = g; b < g + group; b += 4)
       for (int h = 0; h < 2; ++h) {  // columns 0..7, then 8..15
         const i32x8 w = *reinterpret_cast<const i32x8u*>(q + b * kNR + h * 32);
@@ -131,7 +132,7 @@ inline void store_row(float* y, int64_t cols, v8 a0, v8 a1) {
 }
 
 // One quantized row against an int8 panel: signed x signed as |w| x (x * sign(w)).
-void micro_row_int8(const QuantRows& x, int64_t K, const int8_t* q, const float* scales,
+void micro_row_int8(const QuantRows& x, int64_t K, const int8_t* q, const uint16_t* scales,
                     int64_t group, float* y, int64_t cols) {
   v8 a0 = {}, a1 = {};
   for (int64_t g = 0; g < K; g += kGX) {
@@ -145,9 +146,9 @@ void micro_row_int8(const QuantRows& x, int64_t K, const int8_t* q, const float*
       c1 = dot4(c1, _mm256_abs_epi8(w1), _mm256_sign_epi8(xb, w1));
     }
     const float s = x.scale[g / kGX];
-    const float* sw = scales + (g / group) * kNR;
-    a0 += (v8)_mm256_cvtepi32_ps(c0) * (load(sw) * s);
-    a1 += (v8)_mm256_cvtepi32_ps(c1) * (load(sw + 8) * s);
+    const uint16_t* sw = scales + (g / group) * kNR;
+    a0 += (v8)_mm256_cvtepi32_ps(c0) * (half8(sw) * s);
+    a1 += (v8)_mm256_cvtepi32_ps(c1) * (half8(sw + 8) * s);
   }
   store_row(y, cols, a0, a1);
 }

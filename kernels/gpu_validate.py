@@ -2,7 +2,8 @@
 
 Both decode and ragged kernels, every variant, for SmolLM2's heads (9/3, D = 64) and a
 Llama-like config (32/8, D = 128) in fp32 and bf16, on int8 / fp8 pages with scales, and at
-Gemma 3's shape (4/1, D = 256) with a sliding window. A failure is a row with ok=False (the
+Gemma 3's shape (4/1, D = 256) with a sliding window; the weight-only int8 / int4 matmul. A
+failure is a row with ok=False (the
 rest of the report is still written). Off GPU the kernels run in interpret mode, which is how
 the tests exercise this file.
 """
@@ -48,7 +49,29 @@ def validate() -> list[dict]:
             for variant in ("grouped", "dot", "split"):
                 run = functools.partial(decode_attention, *args, variant=variant, num_splits=4)
                 rows.append(_check("decode", variant, nq, h, d, kind, run, ref, 2e-3))
-    return rows + validate_window(key)
+    return rows + validate_window(key) + validate_quant_matmul()
+
+
+def validate_quant_matmul() -> list[dict]:
+    """The weight-only int8 / int4 matmul (kernels/quant_matmul.py) at batch 1, 16 and 64
+    on a Qwen2.5-1.5B-sized projection (1536 -> 8960), fp32 and bf16, vs its reference."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kernels import quant_matmul as qm
+
+    rows, rng = [], np.random.default_rng(0)
+    w = rng.standard_normal((8960, 1536), np.float32) / 40
+    for weights in ("int8", "int4"):
+        qw = qm.quantize(w, weights)
+        for m in (1, 16, 64):
+            for dtype in (jnp.float32, jnp.bfloat16):
+                x = jnp.asarray(rng.standard_normal((m, 1536), np.float32), dtype)
+                tol = 2e-3 if dtype == jnp.float32 else 6e-2
+                rows.append(_check("matmul", weights, m, 1, 1536, dtype,
+                                   lambda x=x, qw=qw: qm.quant_matmul(x, qw),
+                                   qm.reference(x, qw), tol))
+    return rows
 
 
 def validate_window(key, nseq: int = 8, window: int = 40) -> list[dict]:

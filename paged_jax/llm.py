@@ -109,8 +109,8 @@ class LLM:
       preemption_mode: "recompute" or "swap".
       decode_window: decode steps per device call when only decodes run.
       attention_backend: "reference", "pallas" or "cpu"; None picks by platform.
-      matmul_backend: "cpu" (the C++ CPU matmul kernel on packed weights; float32, one
-        device) or "xla"; None: "cpu" where it applies (EngineConfig.matmul_backend).
+      matmul_backend: "cpu" (the C++ CPU matmul kernel on packed weights; float32 on CPU
+        devices) or "xla"; None: "cpu" where it applies (EngineConfig.matmul_backend).
       quantization: None, "int8" or "int4": weight-only, with group scales, on the CPU matmul
         kernel (EngineConfig.quantization); activations and KV stay as `dtype` says.
       max_logprobs: the most logprobs a request may ask for.
@@ -135,6 +135,8 @@ class LLM:
         kind of call instead of one per bucket): compiles less, computes more on small steps.
       async_scheduling: plan and send each step while the device runs the one before (vLLM's
         name); every step's tokens are delivered as read (no decode windows). Same tokens.
+        On by default: offline it is at least as fast as decode windows (README, "Async
+        scheduling offline"); False brings the windows back.
       long_prefill_token_threshold: the most tokens of one prompt a step prefills (vLLM's
         name); 0 = all the budget left after the decodes. Caps how long a step takes while
         a long prompt prefills beside running decodes.
@@ -152,7 +154,7 @@ class LLM:
         swap_space: float = 4, gpu_memory_utilization: float | None = None,
         kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
         data_parallel_size: int = 1, static_shapes: bool = False,
-        async_scheduling: bool = False, long_prefill_token_threshold: int = 0,
+        async_scheduling: bool = True, long_prefill_token_threshold: int = 0,
         **unsupported,
     ):
         if unsupported:

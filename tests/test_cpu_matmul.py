@@ -82,11 +82,11 @@ def test_engine_tokens_equal_on_packed_and_xla_matmuls():
 
 
 def test_matmul_backend_is_chosen_and_checked():
-    assert matmul_backend(None, jnp.float32, 1) == "cpu"
-    assert matmul_backend(None, jnp.bfloat16, 1) == "xla"  # the kernel is float32
-    assert matmul_backend("xla", jnp.float32, 1) == "xla"
-    with pytest.raises(ValueError, match="needs float32 weights on one CPU device"):
-        matmul_backend("cpu", jnp.bfloat16, 1)
+    assert matmul_backend(None, jnp.float32) == "cpu"
+    assert matmul_backend(None, jnp.bfloat16) == "xla"  # the kernel is float32
+    assert matmul_backend("xla", jnp.float32) == "xla"
+    with pytest.raises(ValueError, match="needs float32 weights on CPU"):
+        matmul_backend("cpu", jnp.bfloat16)
     with pytest.raises(ValueError, match="matmul_backend must be"):
         EngineConfig(matmul_backend="onednn")
 
@@ -95,11 +95,11 @@ def test_matmul_backend_is_chosen_and_checked():
 def test_int8_matmul_is_exact_on_its_dequantized_weights(m, k, n):
     """The kernel computes x' @ (q * scale).T, x' the rows quantized per 32 inputs (as the
     kernel does when 32 divides K): against float64 on those it is as close as float32 allows;
-    K = 24 has one group per column (64 does not divide it) and float rows."""
+    K = 24 has one group per column (32 does not divide it) and float rows."""
     rng = np.random.default_rng(m + k + n)
     x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((n, k), np.float32)
     p = cpu_matmul.pack(w, "int8")
-    assert p.panels.dtype == jnp.int8 and p.scales.shape[1] == (k // 64 if k % 64 == 0 else 1)
+    assert p.panels.dtype == jnp.int8 and p.scales.shape[1] == (k // 32 if k % 32 == 0 else 1)
     deq = np.asarray(cpu_matmul.unpack(p), np.float64)
     got = np.asarray(jax.jit(linear)(jnp.asarray(x), p))
     rows = cpu_matmul.quantized_rows(x) if k % 32 == 0 else x
@@ -111,7 +111,8 @@ def test_int8_rounds_each_weight_to_within_half_a_step():
     rng = np.random.default_rng(3)
     w = rng.standard_normal((50, 128), np.float32) * np.linspace(0.01, 3, 128, dtype=np.float32)
     p = cpu_matmul.pack(w, "int8")
-    step = np.repeat(np.asarray(p.scales), 64, axis=1).transpose(0, 2, 1).reshape(-1, 128)[:50]
+    step = np.repeat(np.asarray(p.scales, np.float32), 32, axis=1)
+    step = step.transpose(0, 2, 1).reshape(-1, 128)[:50]
     assert np.all(np.abs(np.asarray(cpu_matmul.unpack(p)) - w) <= step / 2 + 1e-7)
     ids = jnp.asarray([0, 49, 17])
     np.testing.assert_array_equal(np.asarray(cpu_matmul.rows(p, ids)),

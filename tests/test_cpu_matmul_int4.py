@@ -132,3 +132,14 @@ def test_int4_logits_track_float32(tied):
     assert np.abs(q - d).max() <= 0.01 * np.abs(d).max()
     assert np.abs(q - f).max() <= 0.15 * np.abs(f).max()
     np.testing.assert_array_equal(q.argmax(-1), f.argmax(-1))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_int4_weights_with_an_int8_kv_cache(backend):
+    """Weight and KV quantization together, on each CPU attention backend: batched greedy
+    tokens equal one-at-a-time ones."""
+    kw = dict(quantization="int4", kv_cache_dtype="int8", backend=backend)
+    reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(4))]
+    batched = run(engine(**kw), reqs)
+    for rid, p, sp in reqs:
+        assert tokens(batched, rid) == tokens(run(engine(**kw), [(rid, p, sp)]), rid), rid

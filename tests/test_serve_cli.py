@@ -38,11 +38,12 @@ def free_port() -> int:
 
 @pytest.mark.parametrize("routed", [False, True], ids=["one-model", "routed"])
 def test_cli_serves_a_gguf_and_stops_gracefully(tmp_path, routed):
-    """Routed: `--strong-model` adds a second GGUF and "auto" (a head saved for the tiny
-    model's hidden size routes: `--router-head`)."""
+    """One model with `--quantization int4` (int4 weights through the CLI); routed:
+    `--strong-model` adds a second GGUF and "auto" (a head saved for the tiny model's hidden
+    size routes: `--router-head`)."""
     path, strong = tmp_path / "tiny.gguf", tmp_path / "tiny2.gguf"
     write_gguf(path, hf_weights(np.random.default_rng(0)))
-    extra = []
+    extra = ["--quantization", "int4"]
     if routed:
         write_gguf(strong, hf_weights(np.random.default_rng(1)))
         extra = ["--strong-model", str(strong), "--router-head", tiny_head(tmp_path / "head")]

@@ -42,6 +42,20 @@ def test_tokens_match_one_device(one_device, n):
     assert all_free(eng)
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_match_one_device(quantization):
+    """Each device packs its own shard (its panels, its scale groups: parallel.pack_shards);
+    TP = 2 gives one device's greedy tokens with the same quantization."""
+    reqs = workload()
+    one = run(engine(quantization=quantization), reqs)
+    eng = engine(tensor_parallel_size=2, quantization=quantization)
+    qkv = eng.params["layers"][0]["w_qkv"]
+    assert qkv.scales is not None and len(qkv.panels.sharding.device_set) == 2
+    outs = run(eng, reqs, check=True)
+    for rid in one:
+        assert tokens(outs, rid) == tokens(one, rid), rid
+
+
 def test_preemption_under_tensor_parallelism(one_device):
     eng = engine(tensor_parallel_size=2, num_kv_blocks=30)
     outs = run(eng, workload(), check=True)
@@ -93,8 +107,8 @@ def test_sharded_params_rebuild_the_unsharded_weights():
     """Device i's slice of the fused q|k|v outputs (rows: runtime weights are [out, in]) is
     its query heads, then its KV head."""
     cfg = tiny_config()
-    eng = engine(tensor_parallel_size=2)
-    one = engine(matmul_backend="xla").params  # plain [out, in] weights, not packed panels
+    eng = engine(tensor_parallel_size=2, matmul_backend="xla")  # plain [out, in] weights
+    one = engine(matmul_backend="xla").params
     d, q = cfg.head_dim, cfg.num_heads * cfg.head_dim
     w = one["layers"][0]["w_qkv"]
     shards = sorted(eng.params["layers"][0]["w_qkv"].addressable_shards,

@@ -23,12 +23,13 @@ class EngineConfig:
       decode_window: decode steps per device call when only decodes run (1 = every step).
       backend: attention backend; None picks by platform.
       matmul_backend: "cpu" (projections and LM head packed for the C++ CPU matmul kernel,
-        kernels/cpu_matmul.py: float32 on one CPU device) or "xla" (XLA's dot); None: "cpu"
-        where it applies and builds.
+        kernels/cpu_matmul.py: float32 on CPU devices, each packing its own shard under
+        tensor parallelism) or "xla" (XLA's dot); None: "cpu" where it applies and builds.
       quantization: weight-only quantization (vLLM's name): None, "int8" (projections and
-        LM head as int8 with a float32 scale per output column and 64 inputs) or "int4"
+        LM head as int8 with a float16 scale per output column and 32 inputs) or "int4"
         (4-bit codes with a float16 scale and min per output column and 32 inputs), read by
-        the CPU matmul kernel (kernels/cpu_matmul.py; needs matmul_backend "cpu").
+        the CPU matmul kernel (kernels/cpu_matmul.py; needs matmul_backend "cpu"), or on a
+        GPU by kernels/quant_matmul.py (one device).
       max_logprobs: the most top logprobs a request may ask for (static).
       seed: engine seed, used for requests without their own.
       enable_prefix_caching: reuse cached full blocks across requests (prefix_cache.py).

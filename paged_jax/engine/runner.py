@@ -44,7 +44,7 @@ from paged_jax.engine.step import run_step
 from paged_jax.engine.window import decode_window
 from paged_jax.models import ModelConfig, Params, parallel
 from paged_jax.models.attention import default_backend
-from paged_jax.models.llama import pack_params, prepare_params
+from paged_jax.models.llama import pack_params, prepare_params, quantize_params
 from paged_jax.sample import sampler as smp
 from paged_jax.types import Array, Bool, Int
 
@@ -124,22 +124,22 @@ def _restore(
     return pool, table, kv_lib.write_blocks(cache, table.block_tables[slot], *parts), ok
 
 
-def matmul_backend(requested: str | None, dtype, tensor_parallel_size: int) -> str:
+def matmul_backend(requested: str | None, dtype) -> str:
     """The projections' matmul (EngineConfig.matmul_backend): "cpu" (packed C++ kernel)
-    where it applies (a CPU platform, float32, one device) and builds, else "xla".
+    where it applies (a CPU platform, float32; under tensor parallelism each device packs its
+    own shard) and builds, else "xla".
 
     Raises:
       ValueError: "cpu" asked for where it does not apply or did not build.
     """
     if requested == "xla":
         return "xla"
-    fits = (jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
-            and tensor_parallel_size == 1)
+    fits = jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
     built = fits and cpu_matmul.load(str(compile_cache.kernel_folder()))
     if requested == "cpu" and not built:
         raise ValueError("the CPU matmul kernel (matmul_backend='cpu', and quantization "
-                         "'int8', which runs on it) needs float32 weights on one CPU device "
-                         "and its C++ kernel (kernels/cpu_matmul.py) built; use 'xla'")
+                         "'int8' / 'int4', which run on it) needs float32 weights on CPU "
+                         "devices and its C++ kernel (kernels/cpu_matmul.py) built; use 'xla'")
     return "cpu" if built else "xla"
 
 
@@ -157,8 +157,12 @@ class Runner:
         self.model, self.config = model, ec
         dtype = jax.tree.leaves(params)[0].dtype
         kv_dtype = kv_quant.storage_dtype(ec.kv_cache_dtype, dtype)
-        self.matmul = matmul_backend("cpu" if ec.quantization else ec.matmul_backend, dtype,
-                                     ec.tensor_parallel_size)
+        # Quantized on a GPU: the Pallas kernel (quantize_params), not the C++ one.
+        gpu_quant = ec.quantization is not None and jax.default_backend() == "gpu"
+        if gpu_quant and ec.tensor_parallel_size > 1:
+            raise ValueError("quantization on a GPU runs on one device for now")
+        self.matmul = ("xla" if gpu_quant else matmul_backend(
+            "cpu" if ec.quantization else ec.matmul_backend, dtype))
         params = prepare_params(params)  # the forward's fast layout, built once
         self.mesh, kv_heads = None, model.num_kv_heads
         if ec.tensor_parallel_size > 1:
@@ -168,11 +172,15 @@ class Runner:
             lay = parallel.layout(model, ec.tensor_parallel_size)
             self.mesh = parallel.make_mesh(lay.n, ec.first_device)
             params, kv_heads = parallel.shard_params(params, model, self.mesh), lay.kv_heads_total
+            if self.matmul == "cpu":
+                params = parallel.pack_shards(params, self.mesh, ec.quantization or "float32")
             books, pages = parallel.replicated(self.mesh), parallel.by_head(self.mesh)
         else:
             books = pages = parallel.devices(1, ec.first_device)[0]
             if self.matmul == "cpu":
                 params = pack_params(params, ec.quantization or "float32")
+            elif ec.quantization:
+                params = quantize_params(params, ec.quantization)
             params = jax.device_put(params, books)  # no-op on device 0
         self.params, cc = params, ec.cache
         self.block_bytes = kv_lib.kv_cache_bytes(model.num_layers, kv_heads, cc.block_size,

@@ -51,6 +51,7 @@ import numpy as np
 from kernels import cpu_matmul
 from kernels.cpu_matmul import Packed
 from kernels.pages import Pages
+from kernels.quant_matmul import QuantWeight, quant_matmul, quantize
 from paged_jax import compile_cache
 from paged_jax.cache import kv_cache as kv_lib
 from paged_jax.cache import kv_quant
@@ -123,11 +124,14 @@ PROJECTIONS = ("w_qkv", "wo", "w_gate_up", "w_down")
 """Runtime weights stored [out, in] (module docstring)."""
 
 
-def linear(x: Float[Array, "T I"], w: Float[Array, "O I"] | Packed) -> Float[Array, "T O"]:
-    """x @ w.T for a runtime-form [out, in] weight, or one packed for the CPU matmul kernel
-    (`pack_params`)."""
+def linear(x: Float[Array, "T I"], w: Float[Array, "O I"] | Packed | QuantWeight
+           ) -> Float[Array, "T O"]:
+    """x @ w.T for a runtime-form [out, in] weight, one packed for the CPU matmul kernel
+    (`pack_params`) or one quantized for the GPU kernel (`quantize_params`)."""
     if isinstance(w, Packed):
         return cpu_matmul.matmul(x, w).astype(x.dtype)
+    if isinstance(w, QuantWeight):
+        return quant_matmul(x, w)
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
 
 
@@ -172,9 +176,10 @@ def prepare_params(params: Params) -> Params:
 
 def pack_params(params: Params, weights: str = "float32") -> Params:
     """Runtime-form params with every projection and the LM head packed for the C++ CPU
-    matmul kernel (kernels/cpu_matmul.py; float32 activations, one device), as float32 or
-    int8 `weights` (group scales). A tied head packs the embedding itself, and the lookup
-    reads rows back from its panels: one copy, not two. Norms and biases stay float32.
+    matmul kernel (kernels/cpu_matmul.py; float32 activations, one device: under tensor
+    parallelism see parallel.pack_shards), as float32, int8 or int4 `weights`. A tied head
+    packs the embedding itself, and the lookup reads rows back from its panels: one copy,
+    not two. Norms and biases stay float32.
     Idempotent; each weight is packed on the host, then the unpacked one is dropped.
 
     Raises:
@@ -187,6 +192,18 @@ def pack_params(params: Params, weights: str = "float32") -> Params:
     pack = lambda w: w if isinstance(w, Packed) else cpu_matmul.pack(w, weights)  # noqa: E731
     return {**params, head: pack(params[head]),
             "layers": [{k: pack(v) if k in PROJECTIONS else v for k, v in p.items()}
+                       for p in params["layers"]]}
+
+
+def quantize_params(params: Params, weights: str) -> Params:
+    """Runtime-form params with every projection and the LM head as `weights` ("int8" or
+    "int4") codes for the GPU kernel (kernels/quant_matmul.py), quantized on the host. A tied
+    head gets a quantized copy as lm_head; the embedding lookup keeps the float table."""
+    params = prepare_params(params)
+    quant = lambda w: quantize(np.asarray(w, np.float32), weights)  # noqa: E731
+    head = params.get("lm_head", params["embed"])
+    return {**params, "lm_head": quant(head),
+            "layers": [{k: quant(v) if k in PROJECTIONS else v for k, v in p.items()}
                        for p in params["layers"]]}
 
 

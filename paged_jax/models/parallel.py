@@ -33,6 +33,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kernels import cpu_matmul
+from kernels.cpu_matmul import Packed
+
 if TYPE_CHECKING:  # models import this module (the forward's collectives)
     from paged_jax.models.config import ModelConfig
 
@@ -127,14 +130,19 @@ def _pad_vocab(w: np.ndarray, axis: int, vocab: int) -> np.ndarray:
 
 
 def specs(params: dict) -> dict:
-    """PartitionSpecs of runtime-form params (as `shard_params` lays them out)."""
+    """PartitionSpecs of runtime-form params (as `shard_params` lays them out; packed
+    weights as `pack_shards` does)."""
+    def split(v, axis: int):
+        if isinstance(v, Packed):
+            return _packed_spec(axis)
+        return P(*[AXIS if i == axis else None for i in range(v.ndim)])
+
     def layer(p):
-        return {k: P(*[AXIS if i == _LAYER_AXIS[k] else None for i in range(v.ndim)])
-                if k in _LAYER_AXIS else P() for k, v in p.items()}
+        return {k: split(v, _LAYER_AXIS[k]) if k in _LAYER_AXIS else P() for k, v in p.items()}
     out = {k: P() for k in params if k != "layers"}
-    out["embed"] = P(AXIS, None)
+    out["embed"] = split(params["embed"], 0)
     if "lm_head" in params:
-        out["lm_head"] = P(AXIS, None)
+        out["lm_head"] = split(params["lm_head"], 0)
     out["layers"] = [layer(p) for p in params["layers"]]
     return out
 
@@ -152,6 +160,42 @@ def shard_params(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
     return jax.device_put(out, shardings)
 
 
+# ---- packed weights (the C++ CPU matmul kernel, kernels/cpu_matmul.py) ------------------------
+def _packed_spec(axis: int) -> P:
+    """A packed [N, K] weight split on N (axis 0: its panels) or on K (axis 1: each panel's
+    rows, and the scales' groups with them): one spec for all its [P, ., .] arrays (a pytree
+    prefix of the Packed)."""
+    return P(AXIS, None, None) if axis == 0 else P(None, AXIS, None)
+
+
+def pack_shards(params: dict, mesh: Mesh, weights: str) -> dict:
+    """Sharded runtime-form params (`shard_params`) with every split projection and the
+    head packed for the C++ matmul kernel: each device's shard is packed on its own, as a
+    one-device model of its width would be (its panels, its scale groups), and the shards are
+    joined into one array split the same way. Packed.n is the shard's width: the forward runs
+    per device. Norms and biases stay as they are."""
+    def pack(w, axis: int) -> Packed:
+        shards = sorted(w.addressable_shards, key=lambda s: s.index[axis].start or 0)
+        local = [cpu_matmul.pack(np.asarray(s.data), weights, s.device) for s in shards]
+        spec = _packed_spec(axis)
+
+        def join(parts, s):
+            shape = list(parts[0].shape)
+            shape[axis] *= len(parts)
+            return jax.make_array_from_single_device_arrays(
+                tuple(shape), NamedSharding(mesh, s), parts)
+        fields = [[getattr(x, f) for x in local] for f in ("panels", "scales", "mins")]
+        return Packed(join(fields[0], spec), local[0].n,
+                      *(None if parts[0] is None else join(parts, spec) for parts in fields[1:]))
+
+    out = {**params, "layers": [{k: pack(v, _LAYER_AXIS[k]) if k in _LAYER_AXIS and v.ndim == 2
+                                 else v for k, v in p.items()} for p in params["layers"]]}
+    for name in ("embed", "lm_head"):
+        if name in params and (name == "lm_head" or "lm_head" not in params):
+            out[name] = pack(params[name], 0)  # the head; a tied one is the embedding
+    return out
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
@@ -162,13 +206,15 @@ def by_head(mesh: Mesh) -> NamedSharding:
 
 
 # ---- inside the shard_map'd forward ----------------------------------------------------------
-def embed_lookup(embed: jax.Array, token_ids: jax.Array) -> jax.Array:
+def embed_lookup(embed: jax.Array | Packed, token_ids: jax.Array) -> jax.Array:
     """Rows of a vocabulary-split embedding: each device looks up the ids in its own range
-    (zeros elsewhere), one psum joins them."""
+    (zeros elsewhere), one psum joins them. A packed (tied) one reads its panels' rows."""
     rows = embed.shape[0]
     local = token_ids - jax.lax.axis_index(AXIS) * rows
     mine = (local >= 0) & (local < rows)
-    x = jnp.where(mine[:, None], embed[jnp.clip(local, 0, rows - 1)], 0)
+    ids = jnp.clip(local, 0, rows - 1)
+    got = cpu_matmul.rows(embed, ids) if isinstance(embed, Packed) else embed[ids]
+    x = jnp.where(mine[:, None], got, 0)
     return jax.lax.psum(x, AXIS)
 
 

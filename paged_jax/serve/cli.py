@@ -22,6 +22,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                    help="weight-only quantization on the CPU matmul kernel (vLLM's flag)")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                     default=True)
     ap.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
@@ -75,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
               decode_window=a.decode_window, attention_backend=a.attention_backend,
               enable_prefix_caching=a.enable_prefix_caching, swap_space=a.swap_space,
               kv_cache_dtype=a.kv_cache_dtype, async_scheduling=a.async_scheduling,
-              long_prefill_token_threshold=a.long_prefill_token_threshold)
+              long_prefill_token_threshold=a.long_prefill_token_threshold,
+              quantization=a.quantization)
     name = a.served_model_name or default_name(a.model)
     if a.strong_model is None:
         app = build_app(LLM(a.model, **kw), name, a.max_pending, a.plan_eagerly)
