@@ -28,6 +28,7 @@ from experiments import (
     sliding_window_kv,
     test_times,
     weight_layout,
+    weight_quantization,
 )
 
 VLLM = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
@@ -46,6 +47,7 @@ FULL = [
     (routing, dict(argv=[])),
     (scaling, dict(argv=[])),
     (weight_layout, dict(argv=[])),
+    (weight_quantization, dict(argv=[])),
     (bench, dict(argv=[])),
     (async_scheduling, dict(argv=[])),
     (long_prompt, dict(argv=[])),

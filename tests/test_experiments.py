@@ -156,3 +156,19 @@ def test_long_prompt_runs_both_caps_with_the_same_tokens():
     for r in rows.values():
         assert r["itl_p50"] > 0 and r["long_ttft"] > 0 and r["max_preemptions"] == 0
         assert r["target"].split(" (")[0] in ("met", "not met", "not separable")
+
+
+def test_weight_quantization_reports_every_side_and_target():
+    """--quick: SmolLM2 at batch 1, one round; float32, int8, int4 and bfloat16 (and
+    llama.cpp where `make peers` built it) with bytes, speed, perplexity and agreement."""
+    from experiments import weight_quantization
+
+    data = json.loads(open(weight_quantization.main(["--quick"])["json"]).read())
+    (res,) = data["models"]
+    sides = {s["side"]: s for s in res["sides"]}
+    assert {"float32", "int8", "int4", "bfloat16"} <= set(sides)
+    assert sides["float32"]["identical"] == sides["float32"]["of"] == 16
+    assert sides["int4"]["bytes_per_param"] < sides["int8"]["bytes_per_param"] < 1.2
+    for s in sides.values():
+        assert s["batch 1"]["tok_s"] > 0 and 1 < s["perplexity"] < 1000
+    assert all(isinstance(t["met"], bool) for t in data["targets"])

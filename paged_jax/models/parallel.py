@@ -179,9 +179,9 @@ def pack_shards(params: dict, mesh: Mesh, weights: str) -> dict:
         local = [cpu_matmul.pack(np.asarray(s.data), weights, s.device) for s in shards]
         spec = _packed_spec(axis)
 
-        def join(parts, s):
+        def join(parts, s):  # this process's shards of one array split over the whole mesh
             shape = list(parts[0].shape)
-            shape[axis] *= len(parts)
+            shape[axis] *= mesh.size
             return jax.make_array_from_single_device_arrays(
                 tuple(shape), NamedSharding(mesh, s), parts)
         fields = [[getattr(x, f) for x in local] for f in ("panels", "scales", "mins")]
