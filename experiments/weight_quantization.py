@@ -69,17 +69,22 @@ def make_sides(model: str, parts, bf16: bool) -> list:
     return sides + peer
 
 
-def weight_bytes(side, model: str) -> int:
-    """The bytes a side holds for the model's weights."""
+def weight_bytes(side, model: str) -> tuple[int, int]:
+    """(bytes a side holds for the model's weights, bytes it reads per decoded token): an
+    untied embedding table is held but only its rows are read."""
     from paged_jax.study.metrics import weight_bytes as nbytes
 
     if isinstance(side, bench.Ours):
-        return nbytes(side.llm.llm_engine.runner.params)
+        params = side.llm.llm_engine.runner.params
+        held = nbytes(params)
+        return held, held - (nbytes(params["embed"]) if "lm_head" in params else 0)
     import gguf
 
     from paged_jax.models import model_path
 
-    return int(sum(t.n_bytes for t in gguf.GGUFReader(str(model_path(model))).tensors))
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(model_path(model))).tensors}
+    held = sum(tensors.values())
+    return held, held - (tensors["token_embd.weight"] if "output.weight" in tensors else 0)
 
 
 def perplexity(side, ids: list[int]) -> float:
@@ -125,14 +130,14 @@ def summarize(model: str, sides: list, config, n_params: int, measured: dict) ->
     ctx = len(work["batch 1"][0]) + TOKENS / 2 if "batch 1" in work else 0
     kv = kv_bytes_per_token(config, np.float32) * ctx
     for s in sides:
-        wb = weight_bytes(s, model)
-        row = dict(side=s.name, settings=s.settings, weight_bytes=wb,
+        wb, read = weight_bytes(s, model)
+        row = dict(side=s.name, settings=s.settings, weight_bytes=wb, bytes_read_per_token=read,
                    bytes_per_param=wb / n_params, perplexity=ppl[s.name], **agree[s.name])
         for r, by_side in tps.items():
             runs = by_side[s.name]
             row[r] = dict(tok_s=statistics.median(runs), spread=common.spread(runs), runs=runs,
                           vs_float32=common.compare(runs, by_side["float32"]))
-        row["batch_1_roofline_tok_s"] = bw / (wb + kv) if "batch 1" in tps else None
+        row["batch_1_roofline_tok_s"] = bw / (read + kv) if "batch 1" in tps else None
         rows.append(row)
     return dict(model=model, parameters=n_params, bandwidth_bytes_s=bw, sides=rows)
 
@@ -140,10 +145,10 @@ def summarize(model: str, sides: list, config, n_params: int, measured: dict) ->
 def run_model(model: str, batches: list[int], rounds: int) -> dict:
     import jax
 
-    from experiments import serving as sv
+    from paged_jax.models import load_model
     from paged_jax.models.llama import prepare_params
 
-    config, params, tok = sv.real_model("float32", model)
+    config, params, tok = load_model(model)  # not serving.real_model: it keeps what it loads
     n_params = sum(x.size for x in jax.tree.leaves(params))
     # The runtime form once, shared: each side's own form is built from it without a copy
     # of the float32 weights per side (the 1.5B's are 6 GB).

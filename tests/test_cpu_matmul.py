@@ -10,12 +10,12 @@ import pytest
 
 from kernels import cpu_matmul
 from paged_jax import compile_cache
-from paged_jax.cache.kv_cache import init_kv_cache
 from paged_jax.engine import EngineConfig
 from paged_jax.engine.runner import matmul_backend
-from paged_jax.models.llama import forward, linear, pack_params, prepare_params
+from paged_jax.models.llama import linear, pack_params, prepare_params
 from paged_jax.models.testing import random_params, tiny_config
 from tests.engine_helpers import GREEDY, engine, prompts, run, tokens
+from tests.forward_helpers import prefill_logits
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.load(str(compile_cache.kernel_folder())),
                                 reason="no C++ compiler on this machine: the kernel cannot build")
@@ -56,18 +56,7 @@ def test_packed_params_give_the_same_logits(tied):
     assert isinstance(head, cpu_matmul.Packed)
     assert all(isinstance(p[w], cpu_matmul.Packed) for p in packed["layers"]
                for w in ("w_qkv", "wo", "w_gate_up", "w_down"))
-    t = 5
-    args = (jnp.arange(t, dtype=jnp.int32) + 3, jnp.arange(t, dtype=jnp.int32),
-            jnp.arange(t, dtype=jnp.int32) + config.head_dim,  # block 1 onwards (0: zero block)
-            jnp.asarray([[1, 2]], jnp.int32), jnp.asarray([t], jnp.int32),
-            jnp.asarray([0, t], jnp.int32))
-    fwd = jax.jit(lambda p, c: forward(p, c, *args, config=config, max_q=t, all_logits=True))
-
-    def logits(p):
-        cache = init_kv_cache(config.num_layers, config.num_kv_heads, 4, config.head_dim,
-                              config.head_dim, jnp.float32)
-        return np.asarray(fwd(p, cache)[0])
-
+    logits = prefill_logits(config)
     np.testing.assert_allclose(logits(packed), logits(params), rtol=1e-5, atol=1e-5)
 
 

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from kernels import cpu_matmul
 from paged_jax import compile_cache
-from paged_jax.cache.kv_cache import init_kv_cache
 from paged_jax.engine import EngineConfig
-from paged_jax.models.llama import forward, linear, pack_params, prepare_params
+from paged_jax.models.llama import linear, pack_params, prepare_params
 from paged_jax.models.testing import random_params, tiny_config
 from tests.engine_helpers import GREEDY, engine, prompts, run, tokens
+from tests.forward_helpers import prefill_logits
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.load(str(compile_cache.kernel_folder())),
                                 reason="no C++ compiler on this machine: the kernel cannot build")
@@ -113,17 +113,7 @@ def test_int4_logits_track_float32(tied):
     (Gaussian random weights in 4 bits), with the same argmax at every position."""
     config = tiny_config(tie_word_embeddings=tied)
     params = prepare_params(random_params(config))
-    t = 5
-    args = (jnp.arange(t, dtype=jnp.int32) + 3, jnp.arange(t, dtype=jnp.int32),
-            jnp.arange(t, dtype=jnp.int32) + config.head_dim, jnp.asarray([[1, 2]], jnp.int32),
-            jnp.asarray([t], jnp.int32), jnp.asarray([0, t], jnp.int32))
-    fwd = jax.jit(lambda p, c: forward(p, c, *args, config=config, max_q=t, all_logits=True))
-
-    def logits(p):
-        cache = init_kv_cache(config.num_layers, config.num_kv_heads, 4, config.head_dim,
-                              config.head_dim, jnp.float32)
-        return np.asarray(fwd(p, cache)[0])
-
+    logits = prefill_logits(config)
     packed = pack_params(params, "int4")
     is_packed = lambda x: isinstance(x, cpu_matmul.Packed)  # noqa: E731
     deq = jax.tree.map(lambda x: cpu_matmul.unpack(x) if is_packed(x) else x, packed,

@@ -72,24 +72,14 @@ def test_kernel_lowers_for_triton(weights, dtype):
 def test_quantized_params_run_the_forward():
     """quantize_params (the GPU engine's int4 form; the kernel in interpret mode here): the
     tiny model's logits equal those of its dequantized weights on XLA's dot."""
-    from paged_jax.cache.kv_cache import init_kv_cache
-    from paged_jax.models.llama import forward, prepare_params, quantize_params
+    from paged_jax.models.llama import quantize_params
     from paged_jax.models.testing import random_params, tiny_config
+    from tests.forward_helpers import prefill_logits
 
     config = tiny_config(tie_word_embeddings=True)
     params = quantize_params(random_params(config), "int4")
     assert isinstance(params["lm_head"], qm.QuantWeight)
     is_q = lambda x: isinstance(x, qm.QuantWeight)  # noqa: E731
     deq = jax.tree.map(lambda x: qm.dequantize(x) if is_q(x) else x, params, is_leaf=is_q)
-    t = 5
-    args = (jnp.arange(t, dtype=jnp.int32) + 3, jnp.arange(t, dtype=jnp.int32),
-            jnp.arange(t, dtype=jnp.int32) + config.head_dim, jnp.asarray([[1, 2]], jnp.int32),
-            jnp.asarray([t], jnp.int32), jnp.asarray([0, t], jnp.int32))
-    fwd = jax.jit(lambda p, c: forward(p, c, *args, config=config, max_q=t, all_logits=True))
-
-    def logits(p):
-        cache = init_kv_cache(config.num_layers, config.num_kv_heads, 4, config.head_dim,
-                              config.head_dim, jnp.float32)
-        return np.asarray(fwd(prepare_params(p), cache)[0])
-
+    logits = prefill_logits(config)
     np.testing.assert_allclose(logits(params), logits(deq), rtol=1e-4, atol=1e-4)

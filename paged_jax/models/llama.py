@@ -179,7 +179,8 @@ def pack_params(params: Params, weights: str = "float32") -> Params:
     matmul kernel (kernels/cpu_matmul.py; float32 activations, one device: under tensor
     parallelism see parallel.pack_shards), as float32, int8 or int4 `weights`. A tied head
     packs the embedding itself, and the lookup reads rows back from its panels: one copy,
-    not two. Norms and biases stay float32.
+    not two; an untied embedding is packed too when quantized (only its rows are read).
+    Norms and biases stay float32.
     Idempotent; each weight is packed on the host, then the unpacked one is dropped.
 
     Raises:
@@ -188,11 +189,18 @@ def pack_params(params: Params, weights: str = "float32") -> Params:
     if not cpu_matmul.load(str(compile_cache.kernel_folder())):
         raise RuntimeError("the CPU matmul kernel did not build (see the warning above)")
     params = prepare_params(params)
-    head = "lm_head" if "lm_head" in params else "embed"
     pack = lambda w: w if isinstance(w, Packed) else cpu_matmul.pack(w, weights)  # noqa: E731
-    return {**params, head: pack(params[head]),
+    return {**params, **{k: pack(params[k]) for k in packed_tables(params, weights)},
             "layers": [{k: pack(v) if k in PROJECTIONS else v for k, v in p.items()}
                        for p in params["layers"]]}
+
+
+def packed_tables(params: Params, weights: str) -> list[str]:
+    """The head (a tied one is the embedding), and an untied embedding when quantized: it is
+    only looked up, but quantized it is held in the codes' bytes, not float32's."""
+    if "lm_head" not in params:
+        return ["embed"]
+    return ["lm_head"] + (["embed"] if weights != "float32" else [])
 
 
 def quantize_params(params: Params, weights: str) -> Params:

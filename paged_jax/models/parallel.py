@@ -190,9 +190,10 @@ def pack_shards(params: dict, mesh: Mesh, weights: str) -> dict:
 
     out = {**params, "layers": [{k: pack(v, _LAYER_AXIS[k]) if k in _LAYER_AXIS and v.ndim == 2
                                  else v for k, v in p.items()} for p in params["layers"]]}
-    for name in ("embed", "lm_head"):
-        if name in params and (name == "lm_head" or "lm_head" not in params):
-            out[name] = pack(params[name], 0)  # the head; a tied one is the embedding
+    from paged_jax.models.llama import packed_tables  # llama imports this module
+
+    for name in packed_tables(params, weights):
+        out[name] = pack(params[name], 0)
     return out
 
 
