@@ -190,17 +190,9 @@ def pack_params(params: Params, weights: str = "float32") -> Params:
         raise RuntimeError("the CPU matmul kernel did not build (see the warning above)")
     params = prepare_params(params)
     pack = lambda w: w if isinstance(w, Packed) else cpu_matmul.pack(w, weights)  # noqa: E731
-    return {**params, **{k: pack(params[k]) for k in packed_tables(params, weights)},
+    return {**params, **{k: pack(params[k]) for k in tp_lib.packed_tables(params, weights)},
             "layers": [{k: pack(v) if k in PROJECTIONS else v for k, v in p.items()}
                        for p in params["layers"]]}
-
-
-def packed_tables(params: Params, weights: str) -> list[str]:
-    """The head (a tied one is the embedding), and an untied embedding when quantized: it is
-    only looked up, but quantized it is held in the codes' bytes, not float32's."""
-    if "lm_head" not in params:
-        return ["embed"]
-    return ["lm_head"] + (["embed"] if weights != "float32" else [])
 
 
 def quantize_params(params: Params, weights: str) -> Params:

@@ -161,6 +161,14 @@ def shard_params(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
 
 
 # ---- packed weights (the C++ CPU matmul kernel, kernels/cpu_matmul.py) ------------------------
+def packed_tables(params: dict, weights: str) -> list[str]:
+    """The head (a tied one is the embedding), and an untied embedding when quantized: it is
+    only looked up, but quantized it is held in the codes' bytes, not float32's."""
+    if "lm_head" not in params:
+        return ["embed"]
+    return ["lm_head"] + (["embed"] if weights != "float32" else [])
+
+
 def _packed_spec(axis: int) -> P:
     """A packed [N, K] weight split on N (axis 0: its panels) or on K (axis 1: each panel's
     rows, and the scales' groups with them): one spec for all its [P, ., .] arrays (a pytree
@@ -190,8 +198,6 @@ def pack_shards(params: dict, mesh: Mesh, weights: str) -> dict:
 
     out = {**params, "layers": [{k: pack(v, _LAYER_AXIS[k]) if k in _LAYER_AXIS and v.ndim == 2
                                  else v for k, v in p.items()} for p in params["layers"]]}
-    from paged_jax.models.llama import packed_tables  # llama imports this module
-
     for name in packed_tables(params, weights):
         out[name] = pack(params[name], 0)
     return out
