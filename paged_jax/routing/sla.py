@@ -5,7 +5,8 @@ expected to meet the bounds; otherwise the request stays on the weak model, whic
 produced its first token. Estimates come from the engine's own recent steps (`Engine.stats`):
 
     TTFT ~ (prompt tokens queued or in prefill + this prompt) / recent prefill tokens per second
-    TPOT ~ recent seconds per decode iteration (decode windows: duration / steps)
+    TPOT ~ recent seconds per decode iteration (decode windows: duration / steps; else
+           the mean of recent steps that only decode)
 
 An engine with no history yet is assumed to meet any bound (nothing measured to say otherwise).
 """
@@ -47,6 +48,9 @@ def estimate(engine: Engine, prompt_tokens: int) -> Estimate:
     if steps:
         rate = sum(s.num_tokens for s in steps) / sum(s.duration for s in steps)
         ttft = (queued_tokens(engine) + prompt_tokens) / rate
+    decodes = [s for s in steps if s.num_tokens <= s.running]  # a token per running sequence
     if windows:
         tpot = sum(s.duration for s in windows) / sum(s.num_steps for s in windows)
+    elif decodes:  # async scheduling (or decode_window=1): steps, no windows
+        tpot = sum(s.duration for s in decodes) / len(decodes)
     return Estimate(ttft, tpot)
