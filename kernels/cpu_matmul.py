@@ -44,8 +44,7 @@ TARGET = "paged_jax_cpu_packed_matmul"
 TARGET_INT8 = "paged_jax_cpu_packed_matmul_int8"
 TARGET_INT4 = "paged_jax_cpu_packed_matmul_int4"
 NR = 16  # output columns per panel (cpu_matmul.cc's kNR)
-GROUP = 32  # int8: inputs per scale (int4's too: a group never straddles a TP shard of 32)
-GROUP4 = 32  # int4: inputs per scale and min (GGUF's Q4 block)
+GROUP = 32  # inputs per scale (int8 and int4; GGUF's Q4 block): never straddles a TP shard of 32
 WEIGHT_TYPES = ("float32", "int8", "int4")
 
 
@@ -62,11 +61,6 @@ class Packed:
     n: int
     scales: jax.Array | None = None
     mins: jax.Array | None = None
-
-    @property
-    def weights(self) -> str:
-        """"float32", "int8" or "int4"."""
-        return "int4" if self.mins is not None else "int8" if self.scales is not None else "float32"
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -110,13 +104,13 @@ def _pack_int4(panels: np.ndarray, n: int, put, chunk: int = 256) -> tuple:
     """Int4 panels of float [P, K, 16] ones, `chunk` panels at a time (bounded host memory):
     Packed's fields, placed with `put`."""
     p, k, _ = panels.shape
-    if k % GROUP4:
-        raise ValueError(f"int4 weights need an input width that is a multiple of {GROUP4}, "
+    if k % GROUP:
+        raise ValueError(f"int4 weights need an input width that is a multiple of {GROUP}, "
                          f"got {k}")
-    parts = [_int4_groups(panels[i:i + chunk].reshape(-1, k // GROUP4, GROUP4, NR))
+    parts = [_int4_groups(panels[i:i + chunk].reshape(-1, k // GROUP, GROUP, NR))
              for i in range(0, p, chunk)]
     q, scales, mins = (np.concatenate(x) for x in zip(*parts, strict=True))
-    # Blocks of 8 k (cpu_matmul_int4.h): byte (b, c, j) = q[8b + j, c] | q[8b + 4 + j, c] << 4.
+    # Blocks of 8 k (cpu_matmul_quant.h): byte (b, c, j) = q[8b + j, c] | q[8b + 4 + j, c] << 4.
     q = q.reshape(p, k // 8, 2, 4, NR).transpose(0, 1, 2, 4, 3)  # [P, K/8, half, c, j]
     nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).astype(np.uint8).reshape(p, k, 8)
     return put(nibbles), n, put(scales), put(mins)
@@ -189,8 +183,11 @@ def unpack(w: Packed) -> jax.Array:
     return _panels_f32(w).transpose(0, 2, 1).reshape(p * NR, k)[:w.n]
 
 
-def rows(w: Packed, ids: jax.Array) -> jax.Array:
-    """w[ids] ([T, K]) gathered from the panels: an embedding lookup on a packed tied head."""
+def rows(w: Packed | jax.Array, ids: jax.Array) -> jax.Array:
+    """w[ids] ([T, K]): gathered from the panels of a packed table (an embedding lookup on a
+    packed head or quantized embedding), or simply indexed in a plain one."""
+    if not isinstance(w, Packed):
+        return w[ids]
     p, c = ids // NR, ids % NR
     if w.scales is None:
         return w.panels[p, :, c]

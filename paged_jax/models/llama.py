@@ -344,11 +344,11 @@ def forward(
 
 def _embed(embed: Float[Array, "V E"] | Packed, token_ids: Int[Array, "T"],
            tp: bool) -> Float[Array, "T E"]:
-    """Embedding rows: a vocabulary-split table's under tensor parallelism, rows read back
-    from the panels of a packed tied head (`pack_params`), else a plain lookup."""
+    """Embedding rows: a vocabulary-split table's under tensor parallelism, else the table's
+    (read back from its panels when packed: `pack_params`)."""
     if tp:
         return tp_lib.embed_lookup(embed, token_ids)
-    return cpu_matmul.rows(embed, token_ids) if isinstance(embed, Packed) else embed[token_ids]
+    return cpu_matmul.rows(embed, token_ids)
 
 
 def _outputs(params: Params, x: Float[Array, "T E"], query_start: Int[Array, "Q"],

@@ -219,9 +219,7 @@ def embed_lookup(embed: jax.Array | Packed, token_ids: jax.Array) -> jax.Array:
     rows = embed.shape[0]
     local = token_ids - jax.lax.axis_index(AXIS) * rows
     mine = (local >= 0) & (local < rows)
-    ids = jnp.clip(local, 0, rows - 1)
-    got = cpu_matmul.rows(embed, ids) if isinstance(embed, Packed) else embed[ids]
-    x = jnp.where(mine[:, None], got, 0)
+    x = jnp.where(mine[:, None], cpu_matmul.rows(embed, jnp.clip(local, 0, rows - 1)), 0)
     return jax.lax.psum(x, AXIS)
 
 
