@@ -7,7 +7,9 @@ not change, so they are packed once, at load (`pack`), into the layout the kerne
 micro-kernel streams. `python -m kernels.cpu_matmul` checks the kernel against XLA's dot and
 times both on SmolLM2-135M's projection shapes (the numbers are in its output; on the 2-core
 Zen 3 machine, in one run, the 16-row gate|up projection took 0.76 ms against XLA's 1.0 ms
-and the 16-row LM head 14.7 against 23.5 ms).
+and the 16-row LM head 14.7 against 23.5 ms; on a 2-core AVX-512 Zen 5, with the two-panel
+AVX-512 micro-kernel, the 64-row LM head 11.3 ms against XLA's 13.2, where the 8-float tile
+took 27.3 against 15.1).
 
     Packed     panels [P, K, 16] of w [N, K] (the runtime form's [out, in] projections),
                P = ceil(N / 16), zero-padded past N; n = N (static); int8 and int4 panels

@@ -22,10 +22,12 @@ pytestmark = pytest.mark.skipif(not cpu_matmul.load(str(compile_cache.kernel_fol
 
 
 @pytest.mark.parametrize("m, k, n", [
-    (1, 8, 16), (5, 7, 40), (6, 64, 33), (16, 576, 960), (97, 24, 130), (200, 40, 16 * 9 + 1)])
+    (1, 8, 16), (5, 7, 40), (6, 64, 33), (16, 576, 960), (97, 24, 130), (200, 40, 16 * 9 + 1),
+    (3, 600, 20), (13, 300, 50)])
 def test_matmul_matches_float64(m, k, n):
     """Rows not a multiple of the micro-kernel's 6 or the task's 96, columns not a multiple of
-    the panel's 16 (the last panel is partial), odd K; inside jit, as the forward runs it."""
+    the panel's 16 (the last panel is partial, alone or the second of a pair on AVX-512), odd
+    K and K past one or two of AVX-512's 256-k chunks; inside jit, as the forward runs it."""
     rng = np.random.default_rng(m * n + k)
     x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((n, k), np.float32)
     got = np.asarray(jax.jit(linear)(jnp.asarray(x), cpu_matmul.pack(w)))
