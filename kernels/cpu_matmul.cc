@@ -14,8 +14,9 @@
 // and a panel (16 x K floats, 37 KB at K = 576) stays in L2 while the rows of x pass over it.
 //
 //   for each task (MC rows of x, a run of panels)        XLA's intra-op thread pool
-//     for each panel p in the run
+//     for each panel p in the run (AVX-512: two at a time)
 //       for each 6 rows of the MC                          micro-kernel, 6 x 16 tile
+//                                                          (AVX-512: 6 x 32, by chunks of k)
 //
 // Int8 and int4 weights (PackedMatmulInt8 / PackedMatmulInt4): codes in blocks of k with
 // group scales (cpu_matmul_quant.h), a quarter or an eighth of float32's bytes. For two rows
