@@ -167,6 +167,7 @@ void rows_pair(int64_t mr, const float* x, int64_t K, const float* pa, const flo
 constexpr bool kPanelPairs = true;
 #else
 constexpr bool kPanelPairs = false;
+// Never called without AVX-512 (kPanelPairs is false): it lets run_task's branch compile.
 void rows_pair(int64_t, const float*, int64_t, const float*, const float*, float*, int64_t,
                int64_t) {}
 #endif
