@@ -83,9 +83,15 @@ peers: .venv-vllm/.installed .venv-llama/.installed
 
 # paged-jax beside HF generate() (fp32, bf16), vLLM's CPU build and llama.cpp (those `make
 # peers` installed), in one run, alternating sides, medians of 3 rounds, the machine's limit
-# on every row -> results/bench.json. The serving benchmark against vLLM's server follows.
-bench: $(STAMP)
+# on every row -> results/bench.json. Then the Qwen pair's batch 1 and batch 64 rows
+# (results/bench_qwen2.5-coder-*.json; the 1.5B beside HF float32 and llama.cpp only: its
+# float32 copies in every side do not fit in 24 GB together). The serving benchmark against
+# vLLM's server follows.
+bench: models
 	$(VPY) -m experiments.bench
+	$(VPY) -m experiments.bench --model qwen2.5-coder-0.5b --rows "batch 1" "batch 64"
+	$(VPY) -m experiments.bench --model qwen2.5-coder-1.5b --rows "batch 1" "batch 64" \
+	  --sides ours hf llamacpp --hf-dtypes float32
 	$(VPY) -m experiments.bench_serving --requests 32 --rates 1 2 inf --offline \
 	  $(if $(wildcard .venv-vllm/.installed),--vllm-python .venv-vllm/bin/python)
 

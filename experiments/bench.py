@@ -3,6 +3,7 @@ the same terms, with the machine's limit on every row.
 
     python -m experiments.bench [--model smollm2] [--rounds 3]
                                 [--sides ours ours-xla hf vllm llamacpp]
+                                [--rows "batch 1" "batch 64"] [--hf-dtypes float32]
                                 [--quick]
 
 Sides (each where installed; `make peers` builds vLLM's and llama.cpp's venvs):
@@ -137,16 +138,19 @@ class Peer:
         self.worker.close()
 
 
-def make_sides(names: list[str], model: str, parts) -> list:
-    """The sides asked for that are installed here (a missing peer is reported, not fatal)."""
+def make_sides(names: list[str], model: str, parts, caching: bool = True,
+               hf_dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> list:
+    """The sides asked for that are installed here (a missing peer is reported, not fatal);
+    the prefix-caching ones only when a row caches (`caching`: each holds its own copy of the
+    model, which a 1.5B's float32 weights make 7 GB)."""
     sides, py = [], lambda venv: ROOT / venv / "bin" / "python"
     if "ours" in names:
-        sides += [Ours(parts, False), Ours(parts, True)]
+        sides += [Ours(parts, False)] + ([Ours(parts, True)] if caching else [])
     if "ours-xla" in names:
         sides.append(Ours(parts, False, matmul="xla"))
     if "hf" in names:
         pad = parts[2].eos_token_ids[0]
-        sides += [HF(model, d, pad) for d in ("float32", "bfloat16")]
+        sides += [HF(model, d, pad) for d in hf_dtypes]
     if "vllm" in names and _installed(py(".venv-vllm"), "vllm"):
         base = [str(py(".venv-vllm")), str(ROOT / "experiments/peer_vllm.py"), "--model",
                 model, "--kv-gib", str(LIMITS["kv_cache_gib"]), "--block-size",
@@ -154,8 +158,9 @@ def make_sides(names: list[str], model: str, parts) -> list:
                 "--max-tokens-per-step", str(LIMITS["max_num_batched_tokens"]),
                 "--max-len", str(LIMITS["max_model_len"])]
         sides += [Peer(f"vLLM {d}", base + ["--dtype", d]) for d in ("float32", "bfloat16")]
-        sides.append(Peer("vLLM float32 +prefix cache",
-                          base + ["--dtype", "float32", "--prefix-caching"]))
+        if caching:
+            sides.append(Peer("vLLM float32 +prefix cache",
+                              base + ["--dtype", "float32", "--prefix-caching"]))
     if "llamacpp" in names and _installed(py(".venv-llama"), "llama_cpp"):
         from paged_jax.models import model_path
 
@@ -329,13 +334,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rows", nargs="+", default=list(ROWS),
                     help=f"rows to run, of {list(ROWS) + list(EXTRA_ROWS)}")
     ap.add_argument("--name", default=None, help="results file name (default: bench[_MODEL])")
+    ap.add_argument("--hf-dtypes", nargs="+", default=["float32", "bfloat16"],
+                    help="HF generate()'s sides (a 1.5B in both does not fit beside the rest)")
     ap.add_argument("--quick", action="store_true", help="tiny rows (a smoke test)")
     a = ap.parse_args(argv)
     from experiments import serving as sv
 
     parts = sv.real_model("float32", a.model)
     rows = QUICK_ROWS if a.quick else {r: {**ROWS, **EXTRA_ROWS}[r] for r in a.rows}
-    sides = make_sides(a.sides, a.model, parts)
+    sides = make_sides(a.sides, a.model, parts, any(c for *_, c in rows.values()),
+                       tuple(a.hf_dtypes))
     try:
         m = measure(sides, rows, parts[2], a.rounds)
     finally:

@@ -18,7 +18,7 @@ from paged_jax.routing import head as head_lib
 from paged_jax.routing.router import RoutedLLM
 from paged_jax.routing.tasks import FAMILIES, make_item, make_items, table
 from paged_jax.routing.train import PAIRS
-from tests.routing_helpers import PROMPTS, SP, tiny_pair
+from tests.routing_helpers import PROMPTS, SP, answered, tiny_pair
 from tests.routing_helpers import top as _top
 
 
@@ -43,13 +43,31 @@ def test_features_tell_sure_from_unsure():
     sure = feat.logprob_features(_top([-0.01] + [-8.0] * 19))
     unsure = feat.logprob_features(_top([-2.5] * 20))
     assert sure[0] > unsure[0] and sure[1] > unsure[1] and sure[2] < unsure[2]
-    x = feat.features("Q: What is 1 + 2?\nA: 3\nQ: What is 4812 + 377?\nA:", _top([-1.0, -2.0]))
+    q = "Q: What is 1 + 2?\nA: 3\nQ: What is 4812 + 377?\nA:"
+    x = feat.features(q, answered(q, [[-1.0, -2.0]]))
     assert x.shape == (len(feat.NAMES),)
     by = dict(zip(feat.NAMES, x.tolist(), strict=True))
     assert by["digits"] == 7 and by["longest_number"] == 4
     h = np.arange(5, dtype=np.float32)
-    with_h = feat.features("Q: What is 1 + 2?\nA:", _top([-1.0, -2.0]), h)
+    with_h = feat.features(q, answered(q, [[-1.0, -2.0]], h))
     assert with_h.shape == (len(feat.NAMES) + 5,) and with_h[-5:].tolist() == h.tolist()
+
+
+def test_the_answer_window_is_read_as_far_as_the_window():
+    q = "Q: What is 1 + 2?\nA:"
+    steady = [[-0.1, -5.0]] * 3
+    out = answered(q, steady + [[-3.0, -3.1]] * 9, finished=False)  # unsure after the window
+    x = dict(zip(feat.NAMES, feat.features(q, out, window=3).tolist(), strict=True))
+    assert x["answer_min"] == pytest.approx(-0.1) and x["answer_tokens"] == 3
+    assert x["answer_margin_min"] == pytest.approx(4.9) and x["answer_done"] == 0
+    y = dict(zip(feat.NAMES, feat.features(q, out, window=8).tolist(), strict=True))
+    assert y["answer_min"] == pytest.approx(-3.0) and y["answer_tokens"] == 8
+    assert y["answer_margin_min"] == pytest.approx(0.1, abs=1e-5)
+    short = answered(q, steady[:2])  # ended inside the window
+    z = dict(zip(feat.NAMES, feat.features(q, short, window=3).tolist(), strict=True))
+    assert z["answer_done"] == 1 and z["answer_tokens"] == 2
+    assert feat.ready(short, 3) and feat.ready(out, 3)
+    assert not feat.ready(answered(q, steady[:2], finished=False), 3)
 
 
 def test_head_learns_calibrates_and_round_trips(tmp_path):
@@ -105,9 +123,9 @@ def test_members_and_the_hidden_state_projection(tmp_path):
     np.testing.assert_allclose(back.gain(x), head.gain(x), rtol=1e-6)
 
 
-def test_choose_finds_what_carries_over_to_an_unseen_family(monkeypatch):
+def test_choose_finds_the_inputs_that_carry_over_to_unseen_rows(monkeypatch):
     """Labels set by the hidden state in every family, named features that mean something
-    different in each: leave-one-family-out picks the hidden state's components."""
+    different in each: cross-validation picks the hidden state's components."""
     from paged_jax.routing import train
 
     rng = np.random.default_rng(2)
@@ -119,7 +137,7 @@ def test_choose_finds_what_carries_over_to_an_unseen_family(monkeypatch):
     y = np.stack([named[:, 0] * sign > 0, h[:, 0] > 0], 1).astype(np.float32)
     x = np.concatenate([named, h], 1)
     monkeypatch.setattr(train, "CANDIDATES", ((None, 0), (None, 2)))
-    best, scores = train.choose(x, y, family)
+    best, scores = train.choose(x, y)
     assert best == (None, 2) and scores["all+pca2"] > scores["all+pca0"] + 0.05
 
 
@@ -145,7 +163,7 @@ def pair():
 
 def test_routed_outputs_are_each_models_own(pair):
     weak, strong, head = pair
-    thr = float(np.median(head.gain(np.stack([feat.features(p, _top([-1.0, -2.0]))
+    thr = float(np.median(head.gain(np.stack([feat.features(p, answered(p, [[-1.0, -2.0]]))
                                               for p in PROMPTS]))))
     router = RoutedLLM(weak, strong, head, threshold=thr, names=("w", "s"))
     outs = router.generate(PROMPTS, SP)
@@ -160,6 +178,7 @@ def test_routed_outputs_are_each_models_own(pair):
         assert o.outputs[0].logprobs is None and o.outputs[0].cumulative_logprob is None
         assert o.hidden_states is None  # the router asked for it, the caller did not
         assert len(route.features) == len(feat.NAMES) + tiny_config().hidden_size
+        assert route.features[feat.NAMES.index("answer_tokens")] == 2  # the head's window
     assert not weak.llm_engine.has_unfinished() and not strong.llm_engine.has_unfinished()
     # a moved request's prompt blocks stay in the weak model's prefix cache
     moved = next(i for i, o in enumerate(outs) if o.model == "s")
@@ -228,13 +247,15 @@ def test_a_cost_budget_sets_the_share(pair):
 
 def test_build_labels_features_and_saves(pair, tmp_path, monkeypatch):
     """routing.train on two tiny models: labels from each model's own answers, features from
-    the weak one's, a head per split (its inputs chosen among two candidates), everything
-    saved and loaded back."""
+    the weak one's, the shipped head (its inputs chosen among two candidates) and
+    out-of-fold predictions, everything saved and loaded back."""
     from paged_jax.routing import likelihood as lk
     from paged_jax.routing import train
 
     weak, strong, _ = pair
     monkeypatch.setattr(train, "CANDIDATES", ((None, 0), (train.PROMPT_ONLY, 4)))
+    monkeypatch.setattr(train, "FOLDS", 2)
+    monkeypatch.setattr(train, "COST_ITEMS", 8)
     items = train.pair_items(len(train.PAIRS[train.MODELS][0]) * 4, seed=9)
     data = train.build(weak, strong, items)
     width = len(feat.NAMES) + tiny_config().hidden_size  # named features, hidden state
@@ -250,19 +271,25 @@ def test_build_labels_features_and_saves(pair, tmp_path, monkeypatch):
     assert data["y"][opened["index"]].tolist() == lk.labels(np.array(opened["scores"]))[
         0].tolist()
     held_out = set(train.PAIRS[train.MODELS][1])
-    tr_, te = train.splits(items)["family"]
-    assert {items[i].family for i in te} == held_out
-    assert not {items[i].family for i in tr_} & held_out
-    assert set(data["cost"]["measured_cpu"]) == {*train.MODELS, "probe"}
+    te = train.held_out(items)
+    assert {it.family for it, h in zip(items, te, strict=True) if h} == held_out
+    assert not {it.family for it, h in zip(items, te, strict=True) if not h} & held_out
+    assert data["oof"].shape == (len(items), 2) and np.isfinite(data["oof"]).all()
+    assert data["x_first"].shape == data["x"].shape
+    x1 = dict(zip(feat.NAMES, data["x_first"][0].tolist(), strict=False))
+    assert x1["answer_tokens"] == 1  # the first token only
+    costs = {*train.MODELS, "probe", "probe_first_token"}
+    assert set(data["cost"]["measured_cpu"]) == costs
+    assert all(v > 0 for v in data["cost"]["measured_cpu"].values())
     assert train.save(data, items, tmp_path) == tmp_path
     assert json.loads((tmp_path / "metrics.json").read_text())["held_out_families"] == list(
         train.PAIRS[train.MODELS][1])
     head = head_lib.load(tmp_path / "head")
-    np.testing.assert_allclose(head.gain(data["x"]), data["heads"]["random"].gain(data["x"]))
-    assert head.metrics["split"] == "random" and (tmp_path / "metrics.json").is_file()
+    np.testing.assert_allclose(head.gain(data["x"]), data["head"].gain(data["x"]))
+    assert head.metrics["window"] == feat.WINDOW and (tmp_path / "metrics.json").is_file()
     assert set(head.metrics["candidates"]) == {"all+pca0", "prompt+pca4"}
     assert head.metrics["inputs"] in head.metrics["candidates"]
-    assert set(head.metrics["cost"]["modeled_gpu"]) == {*train.MODELS, "probe"}
+    assert set(head.metrics["cost"]["modeled_gpu"]) == costs
 
 
 def test_slo_mode_keeps_requests_off_a_backed_up_strong_model(pair):
@@ -277,7 +304,8 @@ def test_slo_mode_keeps_requests_off_a_backed_up_strong_model(pair):
     for i in range(6):  # a queue the estimate must see
         eng.add_request(f"backlog{i}", "x" * 300, SP)
     assert sla.queued_tokens(eng) >= 1800 and sla.estimate(eng, 10).ttft > 50 * est.ttft
-    always = dataclasses.replace(head, metrics=dict(train_gains=[-1.0]))
+    # routed at the first token: the backlog is what the strong model has then
+    always = dataclasses.replace(head, metrics=dict(train_gains=[-1.0], window=1))
     router = RoutedLLM(weak, strong, always, threshold=-np.inf, ttft_slo=20 * est.ttft)
     outs = router.generate(PROMPTS[:3], SP)
     assert {o.model for o in outs} == {"weak"}

@@ -55,7 +55,8 @@ def cost_saved_at(y: np.ndarray, scores: np.ndarray, cost_weak: float, cost_stro
                   cost_probe: float, fraction: float = 0.95) -> dict:
     """The smallest strong share (in steps of 1/N) at which the router reaches `fraction` of
     the strong model's quality, and the cost saved there against always-strong. A request
-    sent to the strong model also paid the weak model's probe (its prefill: `cost_probe`)."""
+    sent to the strong model also paid the weak model's probe (its prefill and the answer
+    window the router read: `cost_probe`)."""
     target = fraction * y[:, 1].mean()
     q = quality_by_count(y, scores)
     k = int(np.argmax(q >= target - 1e-12))  # k = N (share 1) always meets it

@@ -1,18 +1,19 @@
 """RoutedLLM: each request goes to a weak (cheap) or a strong model, chosen per request by the
-trained head (routing/head.py) from the weak model's own prefill.
+trained head (routing/head.py) from how the weak model began to answer it.
 
-    request --> weak LLM: prefill + first token (its top-20 logprobs and the prompt's last
-                  |  hidden state asked for)
-                  |  features(prompt, logprobs, hidden state) --> head.gain() > threshold?
+    request --> weak LLM: prefill, then up to `window` output tokens (its top-20 logprobs and
+                  |  the prompt's last hidden state asked for); or its whole answer if shorter
+                  |  features(prompt, that output) --> head.gain() > threshold?
                   |-- no:  the weak request simply goes on (nothing recomputed)
                   '-- yes: the weak request is aborted (its full prompt blocks stay in the
                            weak model's prefix cache) and the request goes to the strong LLM
 
-So a request that stays on the weak model pays nothing for being routed but the classifier
-(numpy, microseconds), the first position's top-20 logprobs and its hidden state (read from
-the same prefill); one that moves pays the weak model's prefill. Both engines are stepped in
-turn in this process, so moved requests run on the strong model while the weak one serves
-the rest.
+A cascade over a short window: a request that stays on the weak model pays nothing for being
+routed but the classifier (numpy, microseconds) and the logprobs and hidden state read from
+its own run; one that moves has paid the weak model's prefill and window (the "probe" cost).
+Both engines are stepped in turn in this process, so moved requests run on the strong model
+while the weak one serves the rest. The window is the head's (head.metrics["window"], what it
+was trained on).
 
 The threshold comes from `strong_share` (the share of requests the head's training set would
 send to the strong model at it), from `cost_budget` (the share whose expected cost per
@@ -87,6 +88,7 @@ class RoutedLLM:
             strong_share = share_for_budget(head, cost_budget)
         self.threshold = threshold if threshold is not None else head_threshold(head,
                                                                                 strong_share)
+        self.window = int(head.metrics.get("window", feat.WINDOW))
         self.routes: dict[str, Route] = {}
         self._id, self._counter = next(_ROUTERS), 0
 
@@ -131,20 +133,20 @@ class RoutedLLM:
         return [done[r] for r in asked]
 
     def probe_params(self, sp: SamplingParams) -> SamplingParams:
-        """`sp` with the first-token logprobs and hidden state the head's features need."""
+        """`sp` with the logprobs and hidden state the head's features need."""
         return dataclasses.replace(sp, logprobs=max(sp.logprobs or 0, feat.TOP_K),
                                    return_hidden_states=True)
 
-    def decide(self, prompt_text: str, first: RequestOutput) -> Route:
-        """Where a request goes, from the weak model's first output (asked with
-        `probe_params`). In SLA mode it reads the strong engine's queue and recent steps
-        (a server calls this off the engine's thread: a racy read of counts, good enough for
-        an estimate)."""
-        x = feat.features(prompt_text, first.outputs[0].logprobs[0], first.hidden_states)
+    def decide(self, prompt_text: str, out: RequestOutput) -> Route:
+        """Where a request goes, from the weak model's output so far (asked with
+        `probe_params`; `features.ready`). In SLA mode it reads the strong engine's queue and
+        recent steps (a server calls this off the engine's thread: a racy read of counts, good
+        enough for an estimate)."""
+        x = feat.features(prompt_text, out, self.window)
         gain = float(self.head.gain(x[None])[0])
         go_strong = gain > self.threshold
         held = go_strong and not sla.estimate(
-            self.strong.llm_engine, len(first.prompt_token_ids)).meets(*self.slo)
+            self.strong.llm_engine, len(out.prompt_token_ids)).meets(*self.slo)
         go_strong &= not held
         return Route(self.names[int(go_strong)], gain, x.tolist(), held)
 
@@ -152,11 +154,12 @@ class RoutedLLM:
         rid = out.request_id
         if rid not in asked:
             return
-        if rid not in self.routes and out.outputs and out.outputs[0].logprobs:
+        if rid not in self.routes and feat.ready(out, self.window):
             prompt, sp = asked[rid]
             self.routes[rid] = route = self.decide(self._text(out), out)
             if route.model == self.names[1]:
-                self.weak.llm_engine.abort(rid)
+                if not out.finished:
+                    self.weak.llm_engine.abort(rid)
                 self.strong.llm_engine.add_request(rid, prompt, sp)
                 return
         if out.finished and self.routes.get(rid) and self.routes[rid].model == self.names[0]:

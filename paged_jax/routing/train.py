@@ -4,16 +4,20 @@
 2. labels: each model answers every question greedily (its first line); right or wrong;
    open questions ("define") are labelled by the likelihood each model gives the reference
    answer instead (routing/likelihood.py); the weak model's pass also yields the routing
-   features (routing/features.py), exactly as the router computes them at serving time;
-3. splits: at random (70 / 30) and by task family (the pair's held-out families in PAIRS,
-   chosen before any result of the pair was seen, held out entirely);
-4. a head per split (routing/head.py), trained on 80% of its train part and calibrated on
-   the other 20%; the random split's head is the one the router loads. Its inputs (the
-   named features, all or only the prompt's, and 0-32 principal components of the weak
-   model's hidden state) are chosen among CANDIDATES on the train part alone: by
-   leave-one-family-out, each candidate's heads rank the requests of a family they never
-   saw, and the candidate with the largest mean quality over random routing wins (so the
-   choice is made for questions of a new kind, and never looks at the held-out part).
+   features (routing/features.py: the first `WINDOW` tokens of its answer), exactly as the
+   router computes them at serving time;
+3. the shipped head (routing/head.py) on every item: trained on 80%, calibrated on the rest.
+   Its inputs (the named features, all or only the prompt's, and 0-16 principal components
+   of the weak model's hidden state) are chosen among CANDIDATES by cross-validation: each
+   candidate's heads rank the requests of a random fold they never saw, and the candidate
+   with the largest mean quality over random routing wins. (Choosing by leave-one-family-out
+   instead, for questions of a new kind, picked the prompt's text alone on 840 questions:
+   the candidate that routed worst on questions like the training ones.)
+4. out-of-fold predictions (`cross_fit`): each item scored by a head trained, inputs chosen
+   included, without it: 5 random folds here (their calibration error goes in the metrics);
+   experiments/routing.py also holds out whole families.
+5. each model's cost per request, measured warm on fresh questions (no compilation, no
+   prefix-cache hits), and modeled on a GPU.
 
 Writes paged_jax/routing/trained/<weak>+<strong>/: `data.npz` (features, labels, family and
 difficulty per item), `head` (the router's), and `metrics.json` (accuracies, calibration
@@ -52,25 +56,28 @@ PAIRS = {
 }
 MEMBERS = 3  # heads averaged per router (head.py)
 # (named feature columns, principal components of the hidden state)
-PROMPT_ONLY = tuple(range(4, len(feat.NAMES)))
-CANDIDATES = tuple((cols, k) for cols in (None, PROMPT_ONLY) for k in (0, 4, 8, 16, 32))
+PROMPT_ONLY = feat.PROMPT_COLUMNS
+CANDIDATES = tuple((cols, k) for cols in (None, PROMPT_ONLY) for k in (0, 8, 16))
+FOLDS = 5
+COST_ITEMS = 64  # fresh questions per timed run of measured_seconds
 
 
-def answer(llm: LLM, items: list[Item], probe: bool) -> dict:
+def answer(llm: LLM, items: list[Item], probe: bool, window: int = feat.WINDOW) -> dict:
     """Greedy answers of one model: correctness [N], output tokens and seconds; with `probe`,
-    also the routing features [N, F] from the first position's top logprobs."""
+    also the routing features [N, F] (`x`: the first `window` answer tokens read; `x_first`:
+    the first token only, for comparison)."""
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=["\n"],
                         logprobs=feat.TOP_K if probe else None, return_hidden_states=probe)
-    t0 = time.perf_counter()
     outs = llm.generate([it.prompt for it in items], sp, use_tqdm=False)
-    seconds = time.perf_counter() - t0
+    lens = np.array([len(o.outputs[0].token_ids) for o in outs])
     res = dict(correct=np.array([it.correct(o.outputs[0].text) for it, o in
                                  zip(items, outs, strict=True)]),
-               tokens=int(sum(len(o.outputs[0].token_ids) for o in outs)), seconds=seconds,
+               tokens=float(lens.mean()), window_tokens=float(np.minimum(lens, window).mean()),
                texts=[o.outputs[0].text for o in outs])
     if probe:
-        res["x"] = np.stack([feat.features(it.prompt, o.outputs[0].logprobs[0], o.hidden_states)
-                             for it, o in zip(items, outs, strict=True)])
+        for key, k in (("x", window), ("x_first", 1)):
+            res[key] = np.stack([feat.features(it.prompt, o, k)
+                                 for it, o in zip(items, outs, strict=True)])
     return res
 
 
@@ -79,14 +86,27 @@ def pair_items(n: int, models: tuple[str, str] = MODELS, seed: int = 0) -> list[
     return make_items(n, seed=seed, families=PAIRS[models][0])
 
 
-def splits(items: list[Item], models: tuple[str, str] = MODELS, seed: int = 0
-           ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Index arrays (train, test): at random, and by family (the pair's held-out ones)."""
-    n = len(items)
-    perm = np.random.default_rng(seed).permutation(n)
-    fam = np.array([it.family in PAIRS[models][1] for it in items])
-    return {"random": (np.sort(perm[: int(0.7 * n)]), np.sort(perm[int(0.7 * n):])),
-            "family": (np.flatnonzero(~fam), np.flatnonzero(fam))}
+def held_out(items: list[Item], models: tuple[str, str] = MODELS) -> np.ndarray:
+    """[N] bool: the items of the families the pair's family split holds out (PAIRS)."""
+    return np.array([it.family in PAIRS[models][1] for it in items])
+
+
+def fold_ids(n: int, seed: int = 0) -> np.ndarray:
+    """[N] the random fold (0..FOLDS-1) of each item."""
+    return np.random.default_rng(seed).permutation(n) % FOLDS
+
+
+def cross_fit(x: np.ndarray, y: np.ndarray, groups: np.ndarray, only=None,
+              candidate: tuple | None = None) -> np.ndarray:
+    """[N, 2] out-of-group predictions: each group's items (or only the group `only`; the
+    others stay NaN) scored by a head trained on the other groups, its inputs chosen there
+    too (or fixed: `candidate`)."""
+    p = np.full((len(y), 2), np.nan, np.float32)
+    for g in np.unique(groups) if only is None else [only]:
+        held = groups == g
+        cand = candidate or choose(x[~held], y[~held])[0]
+        p[held] = fit(x[~held], y[~held], cand).predict(x[held])
+    return p
 
 
 def fit(x: np.ndarray, y: np.ndarray, candidate: tuple = (None, 0), seed: int = 0
@@ -105,19 +125,18 @@ def fit(x: np.ndarray, y: np.ndarray, candidate: tuple = (None, 0), seed: int = 
     return head_lib.calibrate(head, x[cal_idx], y[cal_idx])
 
 
-def choose(x: np.ndarray, y: np.ndarray, family: np.ndarray) -> tuple[tuple, dict]:
-    """The candidate whose heads, trained without one family, beat random routing on that
-    family by the most (mean over families and over the interior strong shares); and each
-    candidate's score."""
+def choose(x: np.ndarray, y: np.ndarray) -> tuple[tuple, dict]:
+    """The candidate whose heads, each trained on FOLDS - 1 random folds of these rows, beat
+    random routing by the most on the fold they did not see (mean over the interior strong
+    shares); and each candidate's score."""
+    folds = fold_ids(len(y), seed=1)
     scores = {}
     for cand in CANDIDATES:
-        adv = []
-        for f in np.unique(family):
-            held = family == f
-            c = cv.curves(y[held], fit(x[~held], y[~held], cand).gain(x[held]))
-            adv.append(np.mean([r["quality"] - q["quality"] for r, q in
-                                zip(c["router"][1:-1], c["random"][1:-1], strict=True)]))
-        scores[candidate_name(cand)] = float(np.mean(adv))
+        p = cross_fit(x, y, folds, candidate=cand)
+        c = cv.curves(y, p[:, 1] - p[:, 0])
+        scores[candidate_name(cand)] = float(np.mean([
+            r["quality"] - q["quality"] for r, q in
+            zip(c["router"][1:-1], c["random"][1:-1], strict=True)]))
     best = max(CANDIDATES, key=lambda c: scores[candidate_name(c)])
     return best, scores
 
@@ -128,15 +147,32 @@ def candidate_name(candidate: tuple) -> str:
     return f"{'all' if cols is None else 'prompt'}+pca{k}"
 
 
-def probe_seconds(weak: LLM, n: int, models: tuple[str, str]) -> float:
-    """Seconds per request of the router's probe alone (prefill + one token with its top
-    logprobs), on n questions the weak model has not seen (no prefix-cache hits)."""
-    items = pair_items(n, models, seed=2)
-    sp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=feat.TOP_K,
-                        return_hidden_states=True)
+def seconds_per_request(llm: LLM, items: list[Item], max_tokens: int, probe: bool) -> float:
+    """Seconds per request of one batched run of `items` (questions this engine has not seen:
+    no prefix-cache hits), as answered for labels (probe: with the router's logprobs and
+    hidden state, as far as `max_tokens`)."""
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=["\n"],
+                        logprobs=feat.TOP_K if probe else None, return_hidden_states=probe)
     t0 = time.perf_counter()
-    weak.generate([it.prompt for it in items], sp, use_tqdm=False)
-    return (time.perf_counter() - t0) / n
+    llm.generate([it.prompt for it in items], sp, use_tqdm=False)
+    return (time.perf_counter() - t0) / len(items)
+
+
+def measured_seconds(weak: LLM, strong: LLM, models: tuple[str, str], window: int,
+                     reps: int = 3) -> dict:
+    """Per request, on this machine: each model answering, and the router's probe (the weak
+    model's prefill and first `window` tokens; and with the first token only, for
+    comparison); run after labelling (programs compiled),
+    alternating the three `reps` times on fresh questions each time (median)."""
+    runs = {models[0]: (weak, MAX_TOKENS, False), models[1]: (strong, MAX_TOKENS, False),
+            "probe": (weak, window, True), "probe_first_token": (weak, 1, True)}
+    seen = {k: [] for k in runs}
+    seeds = iter(range(100, 100 + reps * len(runs)))
+    for _ in range(reps):
+        for k, (llm, tokens, probe) in runs.items():
+            seen[k].append(seconds_per_request(llm, pair_items(COST_ITEMS, models, next(seeds)),
+                                               tokens, probe))
+    return {k: float(np.median(v)) for k, v in seen.items()}
 
 
 def modeled_seconds(llm: LLM, prompt_tokens: float, output_tokens: float) -> float:
@@ -150,17 +186,17 @@ def modeled_seconds(llm: LLM, prompt_tokens: float, output_tokens: float) -> flo
 
 
 def costs(weak: LLM, strong: LLM, w: dict, s: dict, items: list[Item],
-          models: tuple[str, str]) -> dict:
-    """Seconds per request: measured here (batched runs) and modeled on a GPU, per model, and
-    the router's probe."""
+          models: tuple[str, str], window: int) -> dict:
+    """Seconds per request: measured here (warm, batched) and modeled on a GPU, per model,
+    and the router's probe (what a request the router moves has paid the weak model)."""
     prompt = float(np.mean([len(weak.get_tokenizer().encode(it.prompt)) for it in items]))
-    out = {m: r["tokens"] / len(items) for m, r in zip(models, (w, s), strict=True)}
-    measured = {m: r["seconds"] / len(items) for m, r in zip(models, (w, s), strict=True)}
-    measured["probe"] = probe_seconds(weak, max(8, len(items) // 4), models)
+    out = {m: r["tokens"] for m, r in zip(models, (w, s), strict=True)}
     modeled = {m: modeled_seconds(llm, prompt, out[m])
                for m, llm in zip(models, (weak, strong), strict=True)}
-    modeled["probe"] = modeled_seconds(weak, prompt, 1)
-    return dict(measured_cpu=measured, modeled_gpu=modeled, output_tokens=out)
+    modeled["probe"] = modeled_seconds(weak, prompt, w["window_tokens"])
+    modeled["probe_first_token"] = modeled_seconds(weak, prompt, 1)
+    return dict(measured_cpu=measured_seconds(weak, strong, models, window),
+                modeled_gpu=modeled, output_tokens=out, prompt_tokens=prompt)
 
 
 def open_labels(weak: LLM, strong: LLM, items: list[Item], y: np.ndarray,
@@ -177,45 +213,44 @@ def open_labels(weak: LLM, strong: LLM, items: list[Item], y: np.ndarray,
                 knows=dict(zip(models, y[idx].mean(0).tolist(), strict=True)))
 
 
-def build(weak: LLM, strong: LLM, items: list[Item], models: tuple[str, str] = MODELS) -> dict:
-    """Labels, features, costs, splits and one head per split."""
-    w, s = answer(weak, items, probe=True), answer(strong, items, probe=False)
+def build(weak: LLM, strong: LLM, items: list[Item], models: tuple[str, str] = MODELS,
+          window: int = feat.WINDOW) -> dict:
+    """Labels, features, costs, the shipped head, and out-of-fold predictions (random folds)."""
+    w, s = answer(weak, items, True, window), answer(strong, items, False)
     y = np.stack([w["correct"], s["correct"]], 1).astype(np.float32)
     opened = open_labels(weak, strong, items, y, models)
-    heads, fam = {}, np.array([it.family for it in items])
-    cost = costs(weak, strong, w, s, items, models)
-    for name, (tr, te) in splits(items, models).items():
-        cand, scores = choose(w["x"][tr], y[tr], fam[tr])
-        head = fit(w["x"][tr], y[tr], cand)
-        p = head.predict(w["x"][te])
-        head.metrics = dict(
-            split=name, train=len(tr), test=len(te), inputs=candidate_name(cand), candidates=scores,
-            cost=cost, models=list(models),
-            ece=[head_lib.calibration(p[:, j], y[te, j]) for j in range(2)],
-            train_gains=sorted(head.gain(w["x"][tr]).round(5).tolist()))
-        heads[name] = head
-    return dict(x=w["x"], y=y, heads=heads, cost=cost, models=models,
-                texts=(w["texts"], s["texts"]), open=opened,
+    cand, scores = choose(w["x"], y)
+    head = fit(w["x"], y, cand)
+    oof = cross_fit(w["x"], y, fold_ids(len(items)))
+    cost = costs(weak, strong, w, s, items, models, window)
+    head.metrics = dict(
+        split="all items", train=len(items), inputs=candidate_name(cand), candidates=scores,
+        cost=cost, models=list(models), window=window,
+        ece_out_of_fold=[head_lib.calibration(oof[:, j], y[:, j]) for j in range(2)],
+        train_gains=sorted(head.gain(w["x"]).round(5).tolist()))
+    return dict(x=w["x"], x_first=w["x_first"], y=y, head=head, oof=oof, cost=cost,
+                models=models, texts=(w["texts"], s["texts"]), open=opened, window=window,
                 accuracy=dict(zip(models, y.mean(0).tolist(), strict=True)))
 
 
 def save(data: dict, items: list[Item], folder: Path | None = None) -> Path:
-    """Writes the training data (data.npz), the random split's head, and metrics.json (to
-    the pair's folder by default)."""
+    """Writes the training data (data.npz), the shipped head, and metrics.json (to the
+    pair's folder by default)."""
     models = data["models"]
     folder = (folder or head_lib.pair_folder(*models)).absolute()
     folder.mkdir(parents=True, exist_ok=True)
-    arrays = dict(x=data["x"], y=data["y"],
+    arrays = dict(x=data["x"], x_first_named=data["x_first"][:, :len(feat.NAMES)], y=data["y"],
                   family=np.array([list(ALL_FAMILIES).index(it.family) for it in items]),
                   difficulty=np.array([it.difficulty for it in items]))
     np.savez_compressed(folder / "data.npz", **arrays)
-    head_lib.save(data["heads"]["random"], folder / "head")
+    head = data["head"]
+    head_lib.save(head, folder / "head")
     metrics = dict(models=models, items=len(items), accuracy=data["accuracy"], cost=data["cost"],
-                   features=[*feat.NAMES, "hidden state"], families=list(ALL_FAMILIES),
-                   held_out_families=PAIRS[tuple(models)][1],
-                   inputs={k: h.metrics["inputs"] for k, h in data["heads"].items()},
+                   features=[*feat.NAMES, "hidden state"], window=data["window"],
+                   families=list(ALL_FAMILIES), held_out_families=PAIRS[tuple(models)][1],
+                   inputs=head.metrics["inputs"],
                    open={k: v for k, v in data["open"].items() if k not in ("index", "scores")},
-                   ece={k: h.metrics["ece"] for k, h in data["heads"].items()})
+                   ece_out_of_fold=head.metrics["ece_out_of_fold"])
     (folder / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     return folder
 

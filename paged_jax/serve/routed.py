@@ -1,9 +1,12 @@
 """The server's "auto" model: each request is routed between the two served models by a
 RoutedLLM's head, as `RoutedLLM.generate` does offline.
 
-    submit to the weak model's engine (first-token logprobs asked for)
-      -> await its first output -> router.decide(...)
-         weak:   the same stream goes on; the probe's extra logprobs are stripped
+    submit to the weak model's engine (logprobs and hidden state asked for)
+      -> read its outputs until the router's window is full (or the answer ended)
+      -> router.decide(...)
+         weak:   the same stream goes on from there (outputs are cumulative, so the
+                 client's first chunk holds the window's text); the probe's extra
+                 logprobs are stripped
          strong: the weak request is aborted (its full prompt blocks stay in the weak
                  prefix cache) and the request is submitted to the strong model's engine
 
@@ -17,6 +20,7 @@ import asyncio
 import dataclasses
 
 from paged_jax.outputs import RequestOutput
+from paged_jax.routing.features import ready
 from paged_jax.routing.router import RoutedLLM, as_asked
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.serve.async_engine import RequestStream
@@ -56,8 +60,9 @@ class RoutedStream:
 async def submit_all(router: RoutedLLM, weak, strong, prompts: list, params: SamplingParams,
                      ids: list[str], on_route=None) -> list[RoutedStream]:
     """Routes every prompt (text only: the two models' tokenizers differ); returns once each
-    has its first output on the model that serves it. On any error (a full queue, a request
-    the engine refuses) every stream is closed and the first error raised."""
+    has been routed (its first output waiting on the model that serves it). On any error (a
+    full queue, a request the engine refuses) every stream is closed and the first error
+    raised."""
     for p in prompts:
         if not isinstance(p, str):
             raise ValueError(f'the "{AUTO}" model routes text prompts only (token ids belong '
@@ -85,10 +90,13 @@ async def submit_all(router: RoutedLLM, weak, strong, prompts: list, params: Sam
 
 async def _route(router: RoutedLLM, stream: RequestStream, weak, strong, prompt: str,
                  params: SamplingParams, on_route) -> RoutedStream:
-    first = await stream.peek()
-    if first is None or not first.outputs or not first.outputs[0].logprobs:
+    out = await stream.peek()
+    while out is not None and not ready(out, router.window):
+        await stream.__anext__()  # cumulative outputs: the next one holds this one's tokens
+        out = await stream.peek()
+    if out is None or not ready(out, router.window):
         return RoutedStream(stream, weak, params)  # ended before a token (aborted)
-    route = router.decide(prompt, first)
+    route = router.decide(prompt, out)
     if on_route is not None:
         on_route(route)
     if route.model != strong.name:
