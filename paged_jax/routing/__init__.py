@@ -5,8 +5,8 @@
                  state, + prompt features
     head.py      the complexity classifier (averaged optax MLPs over named features and PCA
                  of the hidden state, calibrated), saved as .npz
-    train.py     `python -m paged_jax.routing.train`: labels, features, splits, the inputs
-                 chosen by leave-one-family-out, heads
+    train.py     `python -m paged_jax.routing.train`: labels, features, the inputs chosen
+                 by cross-validation, the shipped head, out-of-fold predictions
     curves.py    quality vs strong-model share per policy; cost saved at 95% quality
     router.py    RoutedLLM(weak, strong, head).generate / chat (strong_share, cost_budget,
                  latency SLOs)
