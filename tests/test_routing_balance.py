@@ -55,20 +55,24 @@ def test_routing_experiment_tables_and_plot(tmp_path, monkeypatch):
 
     from experiments import common
     from experiments import routing as exp_routing
+    from paged_jax.routing import features as feat
     from paged_jax.routing import train
     from paged_jax.routing.tasks import make_items
 
     monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(train, "CANDIDATES", ((None, 0),))
+    monkeypatch.setattr(train, "FOLDS", 2)
     items = make_items(120, seed=0)
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((120, 9)).astype(np.float32)
+    x = rng.standard_normal((120, len(feat.NAMES))).astype(np.float32)
     y = np.stack([x[:, 0] > 0, x[:, 1] > 0], 1).astype(np.float32)
-    heads = {k: train.fit(x[tr], y[tr]) for k, (tr, _) in train.splits(items).items()}
-    for h in heads.values():
-        h.metrics = dict(ece=[0.0, 0.0], inputs="all+pca0", candidates={"all+pca0": 0.0})
     clocks = {c: {train.MODELS[0]: 1.0, train.MODELS[1]: 2.0, "probe": 0.2}
               for c in ("measured_cpu", "modeled_gpu")}
-    res = dict(splits=exp_routing.split_results(dict(x=x, y=y, heads=heads, cost=clocks), items))
+    oof = train.cross_fit(x, y, train.fold_ids(len(y)))
+    res = dict(splits=exp_routing.split_results(dict(x=x, y=y, oof=oof, cost=clocks), items))
+    assert set(res["splits"]) == {"random", "family", "each_family"}
+    assert res["splits"]["family"]["test"] == train.held_out(items).sum()
+    assert res["splits"]["each_family"]["test"] == len(items)
     r = res["splits"]["random"]
     assert r["beats_random_everywhere"] and r["gap_recovered_at_50"] > 0.5
     assert {p["strong_share"] for p in r["curves"]["router"]} >= {0.0, 0.5, 1.0}
