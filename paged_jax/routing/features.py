@@ -86,7 +86,9 @@ def features(prompt: str, out: RequestOutput, window: int = WINDOW) -> np.ndarra
     logprobs; `ready`): `NAMES` in order, then its hidden state [E] when it carries one. Only
     the first `window` positions are read, however many the output holds."""
     c = out.outputs[0]
-    ids, positions = list(c.token_ids[:window]), list(c.logprobs[:window])
+    # the same length: a server reads a running output the engine thread may still extend
+    n = min(window, len(c.token_ids), len(c.logprobs))
+    ids, positions = list(c.token_ids[:n]), list(c.logprobs[:n])
     done = out.finished and len(c.token_ids) <= window
     named = np.asarray(logprob_features(positions[0]) + answer_features(positions, ids, done)
                        + prompt_features(prompt), np.float32)

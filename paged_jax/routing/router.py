@@ -200,8 +200,10 @@ def as_asked(out: RequestOutput, sp: SamplingParams) -> RequestOutput:
         if k is None:
             c = dataclasses.replace(c, logprobs=None, cumulative_logprob=None)
         else:
+            # zip, not strict: a server reads a running request's output while the engine
+            # thread may be appending to it (one of its lists can be a position ahead)
             c = dataclasses.replace(c, logprobs=[_top(pos, tok, k) for pos, tok in zip(
-                c.logprobs, c.token_ids, strict=True)])
+                c.logprobs, c.token_ids, strict=False)])
         outs.append(c)
     hidden = out.hidden_states if sp.return_hidden_states else None
     return dataclasses.replace(out, outputs=outs, hidden_states=hidden)
