@@ -79,10 +79,7 @@ def one_split(y: np.ndarray, p: np.ndarray, clocks: dict, how: str, boot: int,
     acc_w, acc_s = y.mean(0)
     mid = cv.SHARES.index(0.5)
     half = {k: (ci[k][mid][1] - ci[k][mid][0]) / 2 for k in ("router_minus_random", "router")}
-    over = [r["quality"] - q["quality"] for r, q in
-            zip(c["router"][1:-1], c["random"][1:-1], strict=True)]
-    oracle = [o["quality"] - q["quality"] for o, q in
-              zip(c["oracle"][1:-1], c["random"][1:-1], strict=True)]
+    over, oracle = cv.over_random(c), cv.over_random(c, "oracle")
     return dict(
         held_out=how, curves=c, interval_95=ci, test=int(te.sum()),
         accuracy=dict(weak=float(acc_w), strong=float(acc_s)),
@@ -102,9 +99,7 @@ def one_split(y: np.ndarray, p: np.ndarray, clocks: dict, how: str, boot: int,
 
 def over_family(y: np.ndarray, scores: np.ndarray, m: np.ndarray) -> list[float]:
     """The router's quality over random's on one family's items, per interior share."""
-    c = cv.curves(y[m], scores[m])
-    return [r["quality"] - q["quality"] for r, q in
-            zip(c["router"][1:-1], c["random"][1:-1], strict=True)]
+    return cv.over_random(cv.curves(y[m], scores[m]))
 
 
 def window_ablation(data: dict) -> dict:
@@ -121,8 +116,7 @@ def window_ablation(data: dict) -> dict:
         scores = p[:, 1] - p[:, 0]
         c = cv.curves(y, scores)
         out[name] = dict(
-            mean_over_random=float(np.mean([r["quality"] - q["quality"] for r, q in zip(
-                c["router"][1:-1], c["random"][1:-1], strict=True)])),
+            mean_over_random=float(np.mean(cv.over_random(c))),
             cost_saved_at_95={clock: cv.cost_saved_at(
                 y, scores, c_[models[0]], c_[models[1]], c_[probe])["cost_saved"]
                 for clock, c_ in data["cost"].items() if clock in ("measured_cpu", "modeled_gpu")})

@@ -45,6 +45,12 @@ def curves(y: np.ndarray, router_scores: np.ndarray, shares=SHARES) -> dict[str,
     )
 
 
+def over_random(c: dict[str, list[dict]], policy: str = "router") -> list[float]:
+    """A policy's quality minus random routing's at each interior share of curves `c`."""
+    return [r["quality"] - q["quality"] for r, q in
+            zip(c[policy][1:-1], c["random"][1:-1], strict=True)]
+
+
 def gap_recovered(curve: list[dict], acc_weak: float, acc_strong: float, share: float) -> float:
     """(quality - weak) / (strong - weak) at `share` (1 = the strong model's quality)."""
     q = next(p["quality"] for p in curve if abs(p["strong_share"] - share) < 1e-9)

@@ -133,10 +133,8 @@ def choose(x: np.ndarray, y: np.ndarray) -> tuple[tuple, dict]:
     scores = {}
     for cand in CANDIDATES:
         p = cross_fit(x, y, folds, candidate=cand)
-        c = cv.curves(y, p[:, 1] - p[:, 0])
-        scores[candidate_name(cand)] = float(np.mean([
-            r["quality"] - q["quality"] for r, q in
-            zip(c["router"][1:-1], c["random"][1:-1], strict=True)]))
+        scores[candidate_name(cand)] = float(np.mean(cv.over_random(
+            cv.curves(y, p[:, 1] - p[:, 0]))))
     best = max(CANDIDATES, key=lambda c: scores[candidate_name(c)])
     return best, scores
 
