@@ -7,9 +7,13 @@ beside llama.cpp on the same GGUF, in one run.
 Sides per model (paged-jax with bench.py's limits, prefix caching off):
   float32    the C++ matmul kernel on float32 panels (the default on CPU)
   bfloat16   weights, activations and KV in bfloat16 (XLA's dot: the kernel is float32)
-  int8       quantization="int8": int8 codes, a float16 scale per column and 32 inputs
-  int4       quantization="int4": 4-bit codes, a float16 scale and min per column and 32
-             inputs, coded from the GGUF's dequantized weights (kernels/cpu_matmul.py)
+  int8       quantization="int8", weight-only (float activations): int8 codes, a float16
+             scale per column and 32 inputs; a tensor whose every group of 32 lies on a 4-bit
+             grid (the GGUF's Q4 tensors) keeps that grid as 4-bit codes with float16 scales
+             and mins instead (kernels/cpu_matmul.py)
+  int4       quantization="int4": 4-bit codes per 32 inputs on each group's best 4-bit grid,
+             its scale and min as 8-bit codes against float16 units per column and up to 8
+             groups; activations as int8 codes per 32 (llama.cpp's Q8)
   llama.cpp  the GGUF's own tensor types and kernels (where `make peers` built it)
 
 Per model and side: weight bytes per parameter (what the side holds; for llama.cpp the

@@ -188,41 +188,58 @@ struct Problem {
   int64_t M, K, N, P;
   const float* x;
   const void* panels;  // float, int8_t or (int4) uint8_t
-  const void* scales;  // int8 / int4: float16 bits [P, K / group, 16]
-  const uint16_t* mins;  // int4 only: float16 bits [P, K / group, 16]
-  const QuantRows* xq;   // int8 / int4: x quantized (pb.x then points at its dequantized rows)
+  const void* scales;  // int8 / int4: float16 bits [P, K / group, 16] (two-level int4: codes)
+  const void* mins;    // int4 only: float16 bits [P, K / group, 16] (two-level: int8 codes)
+  const uint16_t* supers;  // two-level int4 only: float16 units [P, K / (32 S), 2, 16]
+  int64_t per_super;       // S
+  bool quantize_x;         // the weights ask for x quantized (W4A8 / W8A8)
+  const QuantRows* xq;   // x quantized when asked (pb.x then points at its dequantized rows)
+  const float* xsum;     // weight-only int4, one row: x's sum per group of 32
   int64_t group;
   float* y;
   int64_t panels_per_task, panel_tasks;
+
+  // Panel p's int4 group parameters.
+  Int4Params int4(int64_t p) const {
+    const int64_t sp = p * (K / group) * kNR;  // 1- or 2-byte elements
+    if (supers == nullptr)
+      return {static_cast<const uint16_t*>(scales) + sp, static_cast<const uint16_t*>(mins) + sp,
+              nullptr, 1};
+    return {static_cast<const uint8_t*>(scales) + sp, static_cast<const int8_t*>(mins) + sp,
+            supers + p * (K / group / per_super) * 2 * kNR, per_super};
+  }
 
   // Panel p as float32: in place, or int8 / int4 decoded into `buf` ([K, 16]).
   const float* panel(int64_t p, std::vector<float>& buf) const {
     if (scales == nullptr) return static_cast<const float*>(panels) + p * K * kNR;
     buf.resize(K * kNR);
-    const int64_t sp = p * (K / group) * kNR;
     if (mins == nullptr)
       decode_panel8(static_cast<const int8_t*>(panels) + p * K * kNR,
-                    static_cast<const uint16_t*>(scales) + sp, group, K, buf.data());
+                    static_cast<const uint16_t*>(scales) + p * (K / group) * kNR, group, K,
+                    buf.data());
     else
-      decode_panel4(static_cast<const uint8_t*>(panels) + p * K * 8,
-                    static_cast<const uint16_t*>(scales) + sp, mins + sp, K, buf.data());
+      decode_panel4(static_cast<const uint8_t*>(panels) + p * K * 8, int4(p), K, buf.data());
     return buf.data();
   }
 };
 
-// Row 0 of x (quantized) against panel p, in integers (kIntegerRow machines only).
+// Row 0 of x (quantized) against int4 panel p, in integers (kIntegerRow machines only).
 void row_integer(const Problem& pb, int64_t p, int64_t cols) {
 #ifdef __AVX2__
-  const int64_t sp = p * (pb.K / pb.group) * kNR;
-  if (pb.mins == nullptr)
-    micro_row_int8(*pb.xq, pb.K, static_cast<const int8_t*>(pb.panels) + p * pb.K * kNR,
-                   static_cast<const uint16_t*>(pb.scales) + sp, pb.group, pb.y + p * kNR,
-                   cols);
-  else
-    micro_row_int4(*pb.xq, pb.K, static_cast<const uint8_t*>(pb.panels) + p * pb.K * 8,
-                   static_cast<const uint16_t*>(pb.scales) + sp, pb.mins + sp, pb.y + p * kNR,
-                   cols);
+  micro_row_int4(*pb.xq, pb.K, static_cast<const uint8_t*>(pb.panels) + p * pb.K * 8,
+                 pb.int4(p), pb.y + p * kNR, cols);
 #endif
+}
+
+// Row 0 of x (float) against int8 / int4 panel p, the codes widened in registers.
+void row_float(const Problem& pb, int64_t p, int64_t cols) {
+  if (pb.mins == nullptr)
+    micro_row_w8(pb.x, pb.K, static_cast<const int8_t*>(pb.panels) + p * pb.K * kNR,
+                 static_cast<const uint16_t*>(pb.scales) + p * (pb.K / pb.group) * kNR,
+                 pb.group, pb.y + p * kNR, cols);
+  else
+    micro_row_w4(pb.x, pb.xsum, pb.K, static_cast<const uint8_t*>(pb.panels) + p * pb.K * 8,
+                 pb.int4(p), pb.y + p * kNR, cols);
 }
 
 // Task t: rows [MC * (t / panel_tasks), ...) of x against a run of panels.
@@ -232,8 +249,11 @@ void run_task(const Problem& pb, int64_t t, std::vector<float>& buf, std::vector
   const int64_t m1 = std::min(pb.M, m0 + kMC), p1 = std::min(pb.P, p0 + pb.panels_per_task);
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t cols = std::min(kNR, pb.N - p * kNR);
-    if (kIntegerRow && pb.xq != nullptr && pb.M == 1) {  // one row: integer dot products
-      row_integer(pb, p, cols);
+    if (pb.M == 1 && pb.scales != nullptr && (pb.xq == nullptr || kIntegerRow)) {
+      if (pb.xq == nullptr)
+        row_float(pb, p, cols);  // one row: the codes widened in registers
+      else
+        row_integer(pb, p, cols);  // one row: integer dot products on x's codes
       continue;
     }
     const float* panel = pb.panel(p, buf);
@@ -266,11 +286,16 @@ void run(ffi::ThreadPool& pool, Problem pb) {
     std::atomic<int64_t> next{0}, done{0};
     Problem pb;
     QuantRows xq;
+    std::vector<float> xsum;
   };
   auto shared = std::make_shared<Shared>();
-  if (pb.scales != nullptr && pb.K % kGX == 0) {  // every path multiplies x quantized
+  if (pb.quantize_x && pb.K % kGX == 0) {  // every path multiplies x quantized
     shared->xq.set(pb.x, pb.M, pb.K);
     pb.x = shared->xq.dequant.data(), pb.xq = &shared->xq;
+  } else if (pb.mins != nullptr && pb.M == 1) {
+    shared->xsum.assign(pb.K / kGX, 0.f);
+    for (int64_t k = 0; k < pb.K; ++k) shared->xsum[k / kGX] += pb.x[k];
+    pb.xsum = shared->xsum.data();
   }
   shared->pb = pb;
   auto worker = [shared, tasks]() {
@@ -296,7 +321,7 @@ bool problem(ffi::Buffer<ffi::F32>& x, const void* panels, ffi::Span<const int64
       yd[0] != xd[0] || yd[1] > pd[0] * kNR || yd[1] <= (pd[0] - 1) * kNR)
     return false;
   pb = Problem{xd[0], xd[1], yd[1], pd[0], x.typed_data(), panels, nullptr, nullptr, nullptr,
-               1, y->typed_data(), 0, 0};
+               1, false, nullptr, nullptr, 1, y->typed_data(), 0, 0};
   return true;
 }
 
@@ -333,20 +358,51 @@ ffi::Error packed_matmul_int8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
-ffi::Error packed_matmul_int4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                              ffi::Buffer<ffi::U8> panels, ffi::Buffer<ffi::F16> scales,
-                              ffi::Buffer<ffi::F16> mins, ffi::ResultBuffer<ffi::F32> y) {
-  Problem pb;
+constexpr const char* kShapes4 =
+    "packed int4 matmul: expected x [M, K], panels [ceil(N / 16), K, 8] and y [M, N]";
+
+// An int4 problem's panels and group parameters (scales and mins [P, K / 32, 16]).
+ffi::Error int4_problem(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& panels,
+                        ffi::Span<const int64_t> sd, ffi::Span<const int64_t> md,
+                        ffi::ResultBuffer<ffi::F32>& y, Problem& pb) {
   if (!problem(x, panels.typed_data(), panels.dimensions(), y, pb, 8))
-    return ffi::Error::InvalidArgument(
-        "packed int4 matmul: expected x [M, K], panels [ceil(N / 16), K, 8] and y [M, N]");
-  auto sd = scales.dimensions(), md = mins.dimensions();
+    return ffi::Error::InvalidArgument(kShapes4);
   if (!group_of(sd, pb) || pb.group != kGX || md.size() != 3 ||
       !std::equal(sd.begin(), sd.end(), md.begin()))
     return ffi::Error::InvalidArgument(
         "packed int4 matmul: scales and mins must be [P, K / 32, 16]");
-  pb.scales = scales.untyped_data();
-  pb.mins = static_cast<const uint16_t*>(mins.untyped_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error packed_matmul_int4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                              ffi::Buffer<ffi::U8> panels, ffi::Buffer<ffi::F16> scales,
+                              ffi::Buffer<ffi::F16> mins, ffi::ResultBuffer<ffi::F32> y,
+                              int32_t quantize_x) {
+  Problem pb;
+  ffi::Error err = int4_problem(x, panels, scales.dimensions(), mins.dimensions(), y, pb);
+  if (err.failure()) return err;
+  pb.scales = scales.untyped_data(), pb.mins = mins.untyped_data();
+  pb.quantize_x = quantize_x != 0;
+  run(pool, pb);
+  return ffi::Error::Success();
+}
+
+// Two-level int4: scale and min codes [P, K / 32, 16], units [P, K / (32 S), 2, 16].
+ffi::Error packed_matmul_int4_coded(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                                    ffi::Buffer<ffi::U8> panels, ffi::Buffer<ffi::U8> scales,
+                                    ffi::Buffer<ffi::S8> mins, ffi::Buffer<ffi::F16> supers,
+                                    ffi::ResultBuffer<ffi::F32> y, int32_t quantize_x) {
+  Problem pb;
+  ffi::Error err = int4_problem(x, panels, scales.dimensions(), mins.dimensions(), y, pb);
+  if (err.failure()) return err;
+  auto ud = supers.dimensions();
+  if (ud.size() != 4 || ud[0] != pb.P || ud[1] <= 0 || (pb.K / kGX) % ud[1] != 0 ||
+      ud[2] != 2 || ud[3] != kNR)
+    return ffi::Error::InvalidArgument(
+        "packed int4 matmul: supers must be [P, K / (32 S), 2, 16]");
+  pb.scales = scales.untyped_data(), pb.mins = mins.untyped_data();
+  pb.supers = static_cast<const uint16_t*>(supers.untyped_data());
+  pb.per_super = pb.K / kGX / ud[1], pb.quantize_x = quantize_x != 0;
   run(pool, pb);
   return ffi::Error::Success();
 }
@@ -375,4 +431,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulInt4, packed_matmul_int4,
                                   .Arg<ffi::Buffer<ffi::U8>>()    // panels [P, K, 8] nibbles
                                   .Arg<ffi::Buffer<ffi::F16>>()   // scales [P, K / G, 16]
                                   .Arg<ffi::Buffer<ffi::F16>>()   // mins [P, K / G, 16]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
+                                  .Attr<int32_t>("quantize_x"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulInt4Coded, packed_matmul_int4_coded,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // panels [P, K, 8] nibbles
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // scale codes [P, K / 32, 16]
+                                  .Arg<ffi::Buffer<ffi::S8>>()    // min codes [P, K / 32, 16]
+                                  .Arg<ffi::Buffer<ffi::F16>>()   // units [P, K / 32 S, 2, 16]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
+                                  .Attr<int32_t>("quantize_x"));

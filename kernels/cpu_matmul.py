@@ -17,16 +17,20 @@ took 27.3 against 15.1).
     matmul     x [..., K] @ w.T -> [..., N], float32
     rows       w[ids] read back from the panels (a tied embedding's lookup)
 
-Int8 (`pack(w, "int8")`): symmetric, round to nearest, a float16 scale per output column and
-group of G = 32 consecutive inputs (G = K when 32 does not divide K): max |w| of the group /
-127; 32 as int4, so that a group never straddles two devices' shards under tensor parallelism
-when K / N is a multiple of 32 (parallel.pack_shards). Int4 (`pack(w, "int4")`): asymmetric,
-4-bit codes with a float16 scale and min per column and 32 inputs; each group's grid is
-searched (`_int4_groups`), so weights that came from a GGUF Q4 block (dequantized at load)
-are coded on that block's own grid, nearly losslessly.
-Against either, the kernel quantizes x per row and 32 inputs to int8 (`quantized_rows`, as
-llama.cpp quantizes activations to Q8): one row (batch-1 decode) then runs integer dot
-products on the codes, several rows the float micro-kernel on decoded panels.
+Int8 (`pack(w, "int8")`, weight-only, W8A16): symmetric, round to nearest, a float16 scale
+per output column and group of G = 32 consecutive inputs (G = K when 32 does not divide K):
+max |w| of the group / 127; 32 as int4, so that a group never straddles two devices' shards
+under tensor parallelism when K / N is a multiple of 32 (parallel.pack_shards). A weight
+whose every group already lies on a 4-bit grid (a GGUF Q4 tensor, dequantized at load) keeps
+that grid instead, as int4 codes with a float16 scale and min per group: moving each weight to
+a symmetric 8-bit grid would only add error (kernels/weight_codes.py). The activations stay
+float32.
+Int4 (`pack(w, "int4")`, W4A8): asymmetric 4-bit codes per 32 inputs on each group's best
+4-bit grid (a GGUF Q4 block's own, where it came from one), the group's scale and min coded in
+8 bits against float16 units per column and up to 8 groups (4.6 bits a weight in all, as
+GGUF's Q4_K). Against int4 weights the kernel quantizes x per row and 32 inputs to int8
+(`quantized_rows`, as llama.cpp quantizes activations to Q8): one row (batch-1 decode) then
+runs integer dot products on the codes, several rows the float micro-kernel on decoded panels.
 """
 
 from __future__ import annotations
@@ -39,30 +43,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import cpp_build
+from kernels import cpp_build, weight_codes
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "paged_jax_cpu_packed_matmul"
 TARGET_INT8 = "paged_jax_cpu_packed_matmul_int8"
 TARGET_INT4 = "paged_jax_cpu_packed_matmul_int4"
+TARGET_INT4_CODED = "paged_jax_cpu_packed_matmul_int4_coded"
 NR = 16  # output columns per panel (cpu_matmul.cc's kNR)
-GROUP = 32  # inputs per scale (int8 and int4; GGUF's Q4 block): never straddles a TP shard of 32
+GROUP = weight_codes.GROUP  # inputs per scale (GGUF's Q4 block): never straddles a TP shard of 32
 WEIGHT_TYPES = ("float32", "int8", "int4")
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["panels", "scales", "mins"],
-                   meta_fields=["n"])
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["panels", "scales", "mins", "supers"],
+                   meta_fields=["n", "quantize_x"])
 @dataclasses.dataclass(frozen=True)
 class Packed:
     """A [n, K] weight packed for `matmul`: panels [ceil(n / 16), K, 16], float32 or int8
     (blocks of 4 k) with float16 scales [ceil(n / 16), K / G, 16]; or int4, panels
     [ceil(n / 16), K, 8] of two codes a byte (blocks of 8 k) with float16 scales and mins
-    [ceil(n / 16), K / 32, 16]."""
+    [ceil(n / 16), K / 32, 16], or (two-level) uint8 scale codes and int8 min codes of that
+    shape and float16 units `supers` [ceil(n / 16), K / (32 S), 2, 16]. `quantize_x`: the
+    kernel multiplies x's int8 codes (W4A8) rather than x."""
 
     panels: jax.Array
     n: int
     scales: jax.Array | None = None
     mins: jax.Array | None = None
+    supers: jax.Array | None = None
+    quantize_x: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -74,9 +84,13 @@ class Packed:
         return jnp.dtype(jnp.float32)
 
 
-def pack(w, weights: str = "float32", device=None) -> Packed:
+def pack(w, weights: str = "float32", device=None, keep_grid: bool = True,
+         per_super: int | None = None) -> Packed:
     """Packs a float [N, K] weight on the host (numpy) as `weights` ("float32", "int8" or
-    "int4") and places it on `device` (default: the default device)."""
+    "int4") and places it on `device` (default: the default device). `keep_grid`: int8
+    keeps a 4-bit source grid (module docstring). `per_super`: int4's groups per unit
+    (default weight_codes.per_super of K / 32; a tensor-parallel shard passes its whole
+    weight's)."""
     if weights not in WEIGHT_TYPES:
         raise ValueError(f"packed weights are one of {WEIGHT_TYPES}, got {weights!r}")
     w = np.asarray(w, np.float32)
@@ -89,33 +103,58 @@ def pack(w, weights: str = "float32", device=None) -> Packed:
     if weights == "float32":
         return Packed(put(np.ascontiguousarray(panels)), n)
     if weights == "int4":
-        return Packed(*_pack_int4(panels, n, put))
+        s = per_super or weight_codes.per_super(k // GROUP)
+        return Packed(*_pack_int4(panels, n, put, coded=s), quantize_x=True)
     if k % 4:
         raise ValueError(f"int8 weights need an input width that is a multiple of 4, got {k}")
+    if keep_grid and k % GROUP == 0 and _on_grid(panels):
+        return Packed(*_pack_int4(panels, n, put, coded=0))
     g = GROUP if k % GROUP == 0 else k
-    groups = panels.reshape(p, k // g, g, NR)
-    scales = (np.abs(groups).max(axis=2) / 127.0).astype(np.float16)  # [P, K / G, 16]
-    s32 = scales.astype(np.float32)
-    q = np.rint(groups / np.where(s32 > 0, s32, 1.0)[:, :, None, :])
-    q = np.clip(q, -127, 127).astype(np.int8).reshape(p, k // 4, 4, NR)
+    q, scales = weight_codes.int8_groups(panels.reshape(p, k // g, g, NR))  # [P, K / G, 16]
+    q = q.reshape(p, k // 4, 4, NR)
     q = np.ascontiguousarray(q.transpose(0, 1, 3, 2)).reshape(p, k, NR)  # blocks of 4 k
     return Packed(put(q), n, put(scales))
 
 
-def _pack_int4(panels: np.ndarray, n: int, put, chunk: int = 256) -> tuple:
+def _on_grid(panels: np.ndarray, chunk: int = 256) -> bool:
+    """Every 32-input group of float [P, K, 16] panels on a 4-bit grid (early out)."""
+    p, k, _ = panels.shape
+    for i in range(0, p, chunk):
+        x = panels[i:i + chunk].reshape(-1, k // GROUP, GROUP, NR)
+        if not weight_codes.on_grid(x, *weight_codes.grid4(x)):
+            return False
+    return True
+
+
+def _pack_int4(panels: np.ndarray, n: int, put, coded: int, chunk: int = 256) -> tuple:
     """Int4 panels of float [P, K, 16] ones, `chunk` panels at a time (bounded host memory):
-    Packed's fields, placed with `put`."""
+    Packed's fields from panels on, placed with `put`; group scales and mins in float16, or
+    (`coded` = S > 0) as codes and units per S groups."""
     p, k, _ = panels.shape
     if k % GROUP:
         raise ValueError(f"int4 weights need an input width that is a multiple of {GROUP}, "
                          f"got {k}")
-    parts = [_int4_groups(panels[i:i + chunk].reshape(-1, k // GROUP, GROUP, NR))
+    parts = [_int4_chunk(panels[i:i + chunk].reshape(-1, k // GROUP, GROUP, NR), coded)
              for i in range(0, p, chunk)]
-    q, scales, mins = (np.concatenate(x) for x in zip(*parts, strict=True))
+    q, *params = (np.concatenate(x) for x in zip(*parts, strict=True))
     # Blocks of 8 k (cpu_matmul_quant.h): byte (b, c, j) = q[8b + j, c] | q[8b + 4 + j, c] << 4.
     q = q.reshape(p, k // 8, 2, 4, NR).transpose(0, 1, 2, 4, 3)  # [P, K/8, half, c, j]
     nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).astype(np.uint8).reshape(p, k, 8)
-    return put(nibbles), n, put(scales), put(mins)
+    return (put(nibbles), n, *(put(x) for x in params))
+
+
+def _int4_chunk(x: np.ndarray, coded: int) -> tuple:
+    """Codes [.., K / 32, 32, 16] and the group parameters of groups x of that shape."""
+    scale, lo = weight_codes.grid4(x)
+    if not coded:
+        scale, lo = scale.astype(np.float16), lo.astype(np.float16)
+        q = weight_codes.codes4(x, scale.astype(np.float32), lo.astype(np.float32))
+        return q, scale, lo
+    sc, su = weight_codes.two_level(scale, weight_codes.SCALE_LEVELS, False, coded)
+    mc, mu = weight_codes.two_level(lo, weight_codes.MIN_LEVELS, True, coded)
+    back = lambda c, u: c * np.repeat(u.astype(np.float32), coded, axis=-2)  # noqa: E731
+    q = weight_codes.codes4(x, back(sc, su), back(mc, mu))
+    return q, sc, mc, np.stack([su, mu], axis=-2)  # units [.., K / (32 S), 2, 16]
 
 
 def _codes8(panels: jax.Array) -> jax.Array:
@@ -133,27 +172,15 @@ def _codes4(panels: jax.Array) -> jax.Array:
     return q.transpose(0, 1, 2, 4, 3).reshape(p, k, NR)
 
 
-def _int4_groups(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Asymmetric 4-bit codes of groups x [.., G, 16]: w = scale * q + min, q in 0..15.
-
-    The min is the group's; the scale (max - min) / j for the j in 15..1 with the least
-    squared error, so a group that already sits on a grid of j + 1 levels (a GGUF Q4 block,
-    dequantized) is coded on that grid, nearly losslessly. Scales and mins are float16."""
-    lo, hi = x.min(axis=-2), x.max(axis=-2)  # [.., 16]
-    best_err, scale = None, None
-    for j in range(15, 0, -1):
-        d = (hi - lo) / j
-        q = np.clip(np.rint((x - lo[..., None, :]) / np.where(d > 0, d, 1)[..., None, :]), 0, j)
-        err = ((q * d[..., None, :] + lo[..., None, :] - x) ** 2).sum(axis=-2)
-        if best_err is None:
-            best_err, scale = err, d
-        else:  # a coarser grid only where it is clearly better
-            scale = np.where(err < 0.999 * best_err, d, scale)
-            best_err = np.minimum(best_err, err)
-    scale, lo = scale.astype(np.float16), lo.astype(np.float16)
-    s32, lo32 = scale.astype(np.float32)[..., None, :], lo.astype(np.float32)[..., None, :]
-    q = np.clip(np.rint((x - lo32) / np.where(s32 > 0, s32, 1)), 0, 15).astype(np.uint8)
-    return q, scale, lo
+def group_params(scales: jax.Array, mins: jax.Array, supers: jax.Array | None
+                 ) -> tuple[jax.Array, jax.Array]:
+    """An int4 weight's group scales and mins [X, K / 32, ...] as float32: as they are, or
+    decoded from codes and `supers` units [X, K / (32 S), 2, ...]."""
+    if supers is None:
+        return scales.astype(jnp.float32), mins.astype(jnp.float32)
+    units = jnp.repeat(supers.astype(jnp.float32), scales.shape[1] // supers.shape[1], axis=1)
+    return (scales.astype(jnp.float32) * units[:, :, 0],
+            mins.astype(jnp.float32) * units[:, :, 1])
 
 
 def _panels_f32(w: Packed) -> jax.Array:
@@ -161,11 +188,13 @@ def _panels_f32(w: Packed) -> jax.Array:
     if w.scales is None:
         return w.panels
     p, k, _ = w.panels.shape
-    scales = jnp.repeat(w.scales.astype(jnp.float32), k // w.scales.shape[1], axis=1)
     if w.mins is None:
+        scales = jnp.repeat(w.scales.astype(jnp.float32), k // w.scales.shape[1], axis=1)
         return _codes8(w.panels).astype(jnp.float32) * scales
+    scale, lo = group_params(w.scales, w.mins, w.supers)
+    g = k // scale.shape[1]
     q = _codes4(w.panels).astype(jnp.float32)
-    return q * scales + jnp.repeat(w.mins.astype(jnp.float32), k // w.mins.shape[1], axis=1)
+    return q * jnp.repeat(scale, g, axis=1) + jnp.repeat(lo, g, axis=1)
 
 
 def quantized_rows(x: np.ndarray) -> np.ndarray:
@@ -193,15 +222,17 @@ def rows(w: Packed | jax.Array, ids: jax.Array) -> jax.Array:
     p, c = ids // NR, ids % NR
     if w.scales is None:
         return w.panels[p, :, c]
-    g = w.panels.shape[1] // w.scales.shape[1]
-    scale = jnp.repeat(w.scales[p, :, c].astype(jnp.float32), g, axis=1)
     k = w.panels.shape[1]
+    g = k // w.scales.shape[1]
     if w.mins is None:
+        scale = jnp.repeat(w.scales[p, :, c].astype(jnp.float32), g, axis=1)
         got = w.panels.reshape(-1, k // 4, NR, 4)[p, :, c].reshape(-1, k)
         return got.astype(jnp.float32) * scale
+    supers = None if w.supers is None else w.supers[p, :, :, c]  # [T, K / (32 S), 2]
+    scale, lo = group_params(w.scales[p, :, c], w.mins[p, :, c], supers)
     byte = w.panels.reshape(-1, k // 8, 16, 4)[p, :, c]  # [T, K/8, j]
     q = jnp.concatenate([byte & 15, byte >> 4], axis=-1).reshape(-1, k).astype(jnp.float32)
-    return q * scale + jnp.repeat(w.mins[p, :, c].astype(jnp.float32), g, axis=1)
+    return q * jnp.repeat(scale, g, axis=1) + jnp.repeat(lo, g, axis=1)
 
 
 @functools.cache
@@ -209,7 +240,8 @@ def load(folder: str) -> bool:
     """Builds (if needed) and registers the kernel with XLA; False when it cannot be built."""
     return cpp_build.load(SOURCE, Path(folder), "CPU matmul kernel", "XLA's dot",
                           {TARGET: "PackedMatmul", TARGET_INT8: "PackedMatmulInt8",
-                           TARGET_INT4: "PackedMatmulInt4"})
+                           TARGET_INT4: "PackedMatmulInt4",
+                           TARGET_INT4_CODED: "PackedMatmulInt4Coded"})
 
 
 def matmul(x: jax.Array, w: Packed) -> jax.Array:
@@ -222,10 +254,13 @@ def matmul(x: jax.Array, w: Packed) -> jax.Array:
     x2 = x.reshape(m, k).astype(jnp.float32)
     if w.scales is None:
         out = jax.ffi.ffi_call(TARGET, out_shape)(x2, w.panels)
-    elif w.mins is None:
+    elif w.mins is None:  # weight-only: x as it is
         out = jax.ffi.ffi_call(TARGET_INT8, out_shape)(x2, w.panels, w.scales)
     else:
-        out = jax.ffi.ffi_call(TARGET_INT4, out_shape)(x2, w.panels, w.scales, w.mins)
+        target, ops = ((TARGET_INT4, (w.mins,)) if w.supers is None
+                       else (TARGET_INT4_CODED, (w.mins, w.supers)))
+        out = jax.ffi.ffi_call(target, out_shape)(x2, w.panels, w.scales, *ops,
+                                                  quantize_x=np.int32(w.quantize_x))
     return out.reshape(*lead, w.n)
 
 

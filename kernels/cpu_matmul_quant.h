@@ -8,9 +8,12 @@
 //   int8  blocks of 4 k, 64 bytes:  byte (b, c, j) = q[4b + j, c]                  (signed)
 //         w = scale * q, a float16 scale per column and group of G k (32, or K)
 //   int4  blocks of 8 k, 64 bytes:  byte (b, c, j) = q[8b + j, c] | q[8b + 4 + j, c] << 4
-//         w = scale * q + min, q in 0..15, a float16 scale and min per column and 32 k
+//         w = scale * q + min, q in 0..15, per column and 32 k either a float16 scale and
+//         min, or (two-level, as GGUF's K-quants) a uint8 scale code and an int8 min code
+//         times a float16 scale unit and min unit per column and S groups ("supers")
 //
-// The activations are quantized too, per row and group of 32 k: xq = round(x / s) in int8,
+// Where the weights ask for it (quantize_x), the activations are quantized too, per row and
+// group of 32 k: xq = round(x / s) in int8,
 // s = max |x| / 127 (as llama.cpp's Q8 activations). A single row (batch-1 decode, bound by
 // the integer work once the weights are narrow) multiplies codes in integers; per 32 k,
 //
@@ -18,7 +21,8 @@
 //
 // Two rows or more run the float micro-kernel on the decoded panel and on x quantized and
 // dequantized the same way, so a row's result does not depend on its batch beyond the order
-// of float sums. Int8 with K not a multiple of 32 keeps float activations on both paths.
+// of float sums. Otherwise (int8 with K not a multiple of 32, and weight-only W8A16 / W4A16
+// weights) every path multiplies float activations by the decoded panel.
 
 constexpr int64_t kGX = 32;  // k per activation group (and per int4 weight group)
 
@@ -89,11 +93,43 @@ void decode_panel8(const int8_t* q, const uint16_t* scales, int64_t group, int64
   }
 }
 
+// 8 bytes -> 8 float32 (unsigned or signed codes).
+template <typename T>
+inline v8 bytes8(const T* p) {
+  v8 out;
+  for (int i = 0; i < 8; ++i) out[i] = float(p[i]);
+  return out;
+}
+
+// An int4 panel's group parameters: float16 scales and mins [K / 32, 16], or (supers set)
+// uint8 scale codes and int8 min codes [K / 32, 16] with float16 units [K / (32 S), 2, 16].
+struct Int4Params {
+  const void* scales;
+  const void* mins;
+  const uint16_t* supers;
+  int64_t per_super;  // S, groups per super
+
+  // Group g's scales s and mins m, columns 0..7 and 8..15.
+  void group(int64_t g, v8 s[2], v8 m[2]) const {
+    for (int h = 0; h < 2; ++h) {
+      const int64_t at = g * kNR + 8 * h;
+      if (supers == nullptr) {
+        s[h] = half8(static_cast<const uint16_t*>(scales) + at);
+        m[h] = half8(static_cast<const uint16_t*>(mins) + at);
+      } else {
+        const uint16_t* unit = supers + (g / per_super) * 2 * kNR + 8 * h;
+        s[h] = half8(unit) * bytes8(static_cast<const uint8_t*>(scales) + at);
+        m[h] = half8(unit + kNR) * bytes8(static_cast<const int8_t*>(mins) + at);
+      }
+    }
+  }
+};
+
 // An int4 panel decoded to float32 [K, 16].
-void decode_panel4(const uint8_t* q, const uint16_t* scales, const uint16_t* mins, int64_t K,
-                   float* out) {
-  for (int64_t g = 0; g < K; g += kGX, scales += kNR, mins += kNR) {
-    const v8 s[2] = {half8(scales), half8(scales + 8)}, m[2] = {half8(mins), half8(mins + 8)};
+void decode_panel4(const uint8_t* q, const Int4Params& params, int64_t K, float* out) {
+  for (int64_t g = 0; g < K; g += kGX) {
+    v8 s[2], m[2];
+    params.group(g / kGX, s, m);
     for (int64_t b = g; b < g + kGX; b += 8)
       for (int h = 0; h < 2; ++h) {
         const u32x8u w = *reinterpret_cast<const u32x8u*>(q + b * 8 + h * 32);
@@ -107,6 +143,55 @@ void decode_panel4(const uint8_t* q, const uint16_t* scales, const uint16_t* min
   }
 }
 
+inline void store_row(float* y, int64_t cols, v8 a0, v8 a1) {
+  float tile[kNR];
+  store(tile, a0);
+  store(tile + 8, a1);
+  std::memcpy(y, tile, cols * sizeof(float));
+}
+
+// One float row against an int8 panel (weight-only): the codes widened in registers, four
+// accumulators per 8 columns (one per k of a block) so that the FMAs do not wait on each other.
+void micro_row_w8(const float* x, int64_t K, const int8_t* q, const uint16_t* scales,
+                  int64_t group, float* y, int64_t cols) {
+  v8 a[2] = {};
+  for (int64_t g = 0; g < K; g += group, scales += kNR) {
+    v8 c[2][4] = {};
+    for (int64_t b = g; b < g + group; b += 4)
+      for (int h = 0; h < 2; ++h) {
+        const i32x8 w = *reinterpret_cast<const i32x8u*>(q + b * kNR + h * 32);
+        for (int j = 0; j < 4; ++j)  // byte j of each lane, sign-extended
+          c[h][j] += __builtin_convertvector((w << (24 - 8 * j)) >> 24, v8) * x[b + j];
+      }
+    for (int h = 0; h < 2; ++h)
+      a[h] += ((c[h][0] + c[h][1]) + (c[h][2] + c[h][3])) * half8(scales + 8 * h);
+  }
+  store_row(y, cols, a[0], a[1]);
+}
+
+// One float row against an int4 panel (weight-only): per group, scale * sum q x + min * sum x,
+// `xsum` holding x's sum per group of 32.
+void micro_row_w4(const float* x, const float* xsum, int64_t K, const uint8_t* q,
+                  const Int4Params& params, float* y, int64_t cols) {
+  v8 a[2] = {};
+  for (int64_t g = 0; g < K; g += kGX) {
+    v8 c[2][4] = {};
+    for (int64_t b = g; b < g + kGX; b += 8)
+      for (int h = 0; h < 2; ++h) {
+        const u32x8u w = *reinterpret_cast<const u32x8u*>(q + b * 8 + h * 32);
+        for (int j = 0; j < 4; ++j) {
+          c[h][j] += __builtin_convertvector((i32x8)((w >> (8 * j)) & 15), v8) * x[b + j];
+          c[h][j] += __builtin_convertvector((i32x8)((w >> (8 * j + 4)) & 15), v8) * x[b + 4 + j];
+        }
+      }
+    v8 s[2], m[2];
+    params.group(g / kGX, s, m);
+    for (int h = 0; h < 2; ++h)
+      a[h] += ((c[h][0] + c[h][1]) + (c[h][2] + c[h][3])) * s[h] + m[h] * xsum[g / kGX];
+  }
+  store_row(y, cols, a[0], a[1]);
+}
+
 #ifdef __AVX2__
 constexpr bool kIntegerRow = true;
 
@@ -114,7 +199,7 @@ constexpr bool kIntegerRow = true;
 inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
 #ifdef __AVXVNNI__
   return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else  // u is at most 127 here (|w| of int8, or int4 codes): pairs stay within int16
+#else  // u is an int4 code here: pairs stay within int16
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
                                                  _mm256_set1_epi16(1)));
 #endif
@@ -124,41 +209,12 @@ inline __m256i load256(const void* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
-inline void store_row(float* y, int64_t cols, v8 a0, v8 a1) {
-  float tile[kNR];
-  store(tile, a0);
-  store(tile + 8, a1);
-  std::memcpy(y, tile, cols * sizeof(float));
-}
-
-// One quantized row against an int8 panel: signed x signed as |w| x (x * sign(w)).
-void micro_row_int8(const QuantRows& x, int64_t K, const int8_t* q, const uint16_t* scales,
-                    int64_t group, float* y, int64_t cols) {
-  v8 a0 = {}, a1 = {};
-  for (int64_t g = 0; g < K; g += kGX) {
-    __m256i c0 = _mm256_setzero_si256(), c1 = _mm256_setzero_si256();
-    for (int64_t b = g; b < g + kGX; b += 4) {
-      int32_t xv;
-      std::memcpy(&xv, x.q.data() + b, 4);
-      const __m256i xb = _mm256_set1_epi32(xv), w0 = load256(q + b * kNR),
-                    w1 = load256(q + b * kNR + 32);
-      c0 = dot4(c0, _mm256_abs_epi8(w0), _mm256_sign_epi8(xb, w0));
-      c1 = dot4(c1, _mm256_abs_epi8(w1), _mm256_sign_epi8(xb, w1));
-    }
-    const float s = x.scale[g / kGX];
-    const uint16_t* sw = scales + (g / group) * kNR;
-    a0 += (v8)_mm256_cvtepi32_ps(c0) * (half8(sw) * s);
-    a1 += (v8)_mm256_cvtepi32_ps(c1) * (half8(sw + 8) * s);
-  }
-  store_row(y, cols, a0, a1);
-}
-
 // One quantized row against an int4 panel.
-void micro_row_int4(const QuantRows& x, int64_t K, const uint8_t* q, const uint16_t* scales,
-                    const uint16_t* mins, float* y, int64_t cols) {
+void micro_row_int4(const QuantRows& x, int64_t K, const uint8_t* q, const Int4Params& params,
+                    float* y, int64_t cols) {
   const __m256i nib = _mm256_set1_epi8(15);
   v8 a0 = {}, a1 = {};
-  for (int64_t g = 0; g < K; g += kGX, scales += kNR, mins += kNR) {
+  for (int64_t g = 0; g < K; g += kGX) {
     __m256i c0 = _mm256_setzero_si256(), c1 = _mm256_setzero_si256();
     for (int64_t b = g; b < g + kGX; b += 8) {
       int32_t xl, xh;
@@ -172,8 +228,10 @@ void micro_row_int4(const QuantRows& x, int64_t K, const uint8_t* q, const uint1
                 _mm256_and_si256(_mm256_srli_epi16(w1, 4), nib), hi);
     }
     const float s = x.scale[g / kGX], ms = s * float(x.sum[g / kGX]);
-    a0 += (v8)_mm256_cvtepi32_ps(c0) * (half8(scales) * s) + half8(mins) * ms;
-    a1 += (v8)_mm256_cvtepi32_ps(c1) * (half8(scales + 8) * s) + half8(mins + 8) * ms;
+    v8 ws[2], wm[2];
+    params.group(g / kGX, ws, wm);
+    a0 += (v8)_mm256_cvtepi32_ps(c0) * (ws[0] * s) + wm[0] * ms;
+    a1 += (v8)_mm256_cvtepi32_ps(c1) * (ws[1] * s) + wm[1] * ms;
   }
   store_row(y, cols, a0, a1);
 }

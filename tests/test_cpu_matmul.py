@@ -82,20 +82,44 @@ def test_matmul_backend_is_chosen_and_checked():
         EngineConfig(matmul_backend="onednn")
 
 
-@pytest.mark.parametrize("m, k, n", [(1, 128, 40), (16, 576, 960), (97, 24, 130)])
+@pytest.mark.parametrize("m, k, n", [(1, 128, 40), (16, 576, 960), (97, 24, 130), (1, 24, 17)])
 def test_int8_matmul_is_exact_on_its_dequantized_weights(m, k, n):
-    """The kernel computes x' @ (q * scale).T, x' the rows quantized per 32 inputs (as the
-    kernel does when 32 divides K): against float64 on those it is as close as float32 allows;
-    K = 24 has one group per column (32 does not divide it) and float rows."""
+    """Weight-only int8: the kernel computes x @ (q * scale).T with x as it is, one row or
+    many: against float64 as close as float32 allows; K = 24 has one group per column (32
+    does not divide it)."""
     rng = np.random.default_rng(m + k + n)
     x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((n, k), np.float32)
     p = cpu_matmul.pack(w, "int8")
     assert p.panels.dtype == jnp.int8 and p.scales.shape[1] == (k // 32 if k % 32 == 0 else 1)
+    assert not p.quantize_x
     deq = np.asarray(cpu_matmul.unpack(p), np.float64)
     got = np.asarray(jax.jit(linear)(jnp.asarray(x), p))
-    rows = cpu_matmul.quantized_rows(x) if k % 32 == 0 else x
-    np.testing.assert_allclose(got, rows.astype(np.float64) @ deq.T, rtol=1e-5,
+    np.testing.assert_allclose(got, x.astype(np.float64) @ deq.T, rtol=1e-5,
                                atol=1e-5 * np.sqrt(k))
+
+
+def test_int8_keeps_a_four_bit_source_grid():
+    """A weight whose every group of 32 lies on a 4-bit grid (a GGUF Q4_1 tensor, dequantized)
+    is kept on it, as int4 codes with float16 scales and mins: exact to float16, where
+    symmetric int8 codes would move each weight by up to half of max |w| / 127; a weight off
+    any such grid, or one packed with keep_grid=False, gets int8 codes. Tensor parallelism
+    shards either (tests/test_tensor_parallel.py)."""
+    rng = np.random.default_rng(5)
+    d = rng.uniform(0.01, 0.1, (40, 4, 1)).astype(np.float16).astype(np.float32)
+    mn = rng.uniform(-1, 0, (40, 4, 1)).astype(np.float16).astype(np.float32)
+    q = rng.integers(0, 16, (40, 4, 32))
+    q[..., 0], q[..., 1] = 0, 15  # as Q4_1: the block's min and max are codes 0 and 15
+    w = (q * d + mn).reshape(40, 128).astype(np.float32)
+    p = cpu_matmul.pack(w, "int8")
+    assert p.panels.dtype == jnp.uint8 and p.mins.dtype == jnp.float16 and not p.quantize_x
+    np.testing.assert_allclose(np.asarray(cpu_matmul.unpack(p)), w, rtol=0, atol=1e-6)
+    for m in (1, 3):  # one row: codes widened in registers; more: the decoded panel
+        x = rng.standard_normal((m, 128), np.float32)
+        np.testing.assert_allclose(np.asarray(jax.jit(linear)(jnp.asarray(x), p)), x @ w.T,
+                                   rtol=1e-5, atol=1e-4)
+    assert cpu_matmul.pack(w, "int8", keep_grid=False).panels.dtype == jnp.int8
+    w[3, 7] += 1e-3  # one weight off its block's grid
+    assert cpu_matmul.pack(w, "int8").panels.dtype == jnp.int8
 
 
 def test_int8_rounds_each_weight_to_within_half_a_step():

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import cpu_matmul
+from kernels import cpu_matmul, weight_codes
 from paged_jax import compile_cache
 from paged_jax.engine import EngineConfig
 from paged_jax.models.llama import linear, pack_params, prepare_params
@@ -33,7 +33,8 @@ def test_int4_matmul_is_exact_on_its_codes(m, k, n):
     x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((n, k), np.float32)
     p = cpu_matmul.pack(w, "int4")
     assert p.panels.dtype == jnp.uint8 and p.panels.shape == (-(-n // 16), k, 8)
-    assert p.scales.dtype == p.mins.dtype == jnp.float16 and p.scales.shape[1] == k // 32
+    assert p.scales.dtype == jnp.uint8 and p.mins.dtype == jnp.int8 and p.quantize_x
+    assert p.scales.shape[1] == k // 32 and p.supers.dtype == jnp.float16
     deq = np.asarray(cpu_matmul.unpack(p), np.float64)
     got = np.asarray(jax.jit(linear)(jnp.asarray(x), p))
     want = cpu_matmul.quantized_rows(x).astype(np.float64) @ deq.T
@@ -53,34 +54,53 @@ def test_int4_single_rows_equal_the_batch():
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 40), groups=st.integers(1, 4), seed=st.integers(0, 2**16),
+@given(n=st.integers(1, 40), groups=st.integers(1, 10), seed=st.integers(0, 2**16),
        spread=st.floats(1e-3, 10.0))
 def test_int4_codes_no_worse_than_sixteen_even_levels(n, groups, seed, spread):
     """Each group's error (its L2 norm) is at most that of plain round-to-nearest on 16
-    levels from its min to its max, plus what float16 scales and mins may move each weight
-    (2^-10 of the group's |min| + range)."""
+    levels from its min to its max, plus what coding the scale and min in 8 bits against
+    their super's units may move each weight: 15 scale steps of max scale / 510 and a min
+    step of max |min| / 254 (the super's, bounded here by the row's), and float16 units."""
     k = 32 * groups
     w = (np.random.default_rng(seed).standard_normal((n, k)) * spread).astype(np.float32)
-    deq = np.asarray(cpu_matmul.unpack(cpu_matmul.pack(w, "int4")))
+    p = cpu_matmul.pack(w, "int4")
+    assert p.supers.shape[1] == groups // weight_codes.per_super(groups)
+    deq = np.asarray(cpu_matmul.unpack(p))
     g, d = w.reshape(n, groups, 32), deq.reshape(n, groups, 32)
     lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
     step = (hi - lo) / 15
     rtn = lo + np.rint((g - lo) / np.where(step > 0, step, 1)) * step
-    slack = np.sqrt(32) * (np.abs(lo) + (hi - lo))[..., 0] * 2.0**-10
+    top_step, top_min = step.max(1, keepdims=True), np.abs(lo).max(1, keepdims=True)
+    per_weight = (15 * top_step / 510 + top_min / 254 + (15 * top_step + top_min) * 2.0**-10)
+    slack = np.sqrt(32) * per_weight[..., 0]
     norm = lambda e: np.sqrt((e.astype(np.float64) ** 2).sum(-1))  # noqa: E731
     assert np.all(norm(d - g) <= norm(rtn - g) + slack)
 
 
-def test_int4_codes_a_q4_grid_losslessly():
-    """Weights already on a 4-bit grid per 32 (a GGUF Q4_1 / Q4_K block, dequantized) come
-    back to float16 precision, whatever levels each block uses."""
+def test_int4_codes_a_k_quant_grid_losslessly():
+    """Weights laid out as GGUF's Q4_K (per 256 inputs float16 d and dmin; per 32 a 6-bit
+    scale sc and min m; w = d sc q - dmin m, q in 0..15), dequantized, in rows of 2048 inputs
+    (S = 8: a super is a Q4_K block): the two-level codes find the same grid and give the
+    weights back to float32 rounding."""
     rng = np.random.default_rng(1)
-    d = rng.uniform(0.01, 0.1, (24, 3, 1)).astype(np.float16).astype(np.float32)
-    mn = rng.uniform(-1, 0, (24, 3, 1)).astype(np.float16).astype(np.float32)
-    levels = rng.integers(2, 17, (24, 3, 1))
-    w = (rng.integers(0, 16, (24, 3, 32)) % levels * d + mn).reshape(24, 96).astype(np.float32)
+    d = rng.uniform(1e-4, 1e-3, (24, 8, 1, 1)).astype(np.float16).astype(np.float32)
+    dmin = rng.uniform(1e-4, 1e-3, (24, 8, 1, 1)).astype(np.float16).astype(np.float32)
+    sc, m = rng.integers(1, 64, (24, 8, 8, 1)), rng.integers(0, 64, (24, 8, 8, 1))
+    sc[:, :, 0] = m[:, :, 0] = 63  # as Q4_K: the largest 6-bit code is used in each block
+    q = rng.integers(0, 16, (24, 8, 8, 32))
+    q[..., 0], q[..., 1] = 0, 15
+    w = (d * sc * q - dmin * m).reshape(24, 2048).astype(np.float32)
     deq = np.asarray(cpu_matmul.unpack(cpu_matmul.pack(w, "int4")))
-    assert np.abs(deq - w).max() <= 2.0**-10
+    np.testing.assert_allclose(deq, w, rtol=0, atol=1e-6 * np.abs(w).max())
+
+
+def test_supers_hold_whole_tensor_parallel_shards():
+    """S divides the groups of 1/2, 1/4 and 1/8 of a row wherever those are whole groups (the
+    1.5B's 48 and 280 groups, SmolLM2's 18, Gemma 3's 20, a 2048-wide row's 64)."""
+    for groups, want in [(48, 6), (280, 7), (18, 3), (20, 5), (64, 8), (2, 1), (9, 3)]:
+        s = weight_codes.per_super(groups)
+        assert s == want
+        assert all(groups % (t * s) == 0 for t in (2, 4, 8) if t <= (groups & -groups))
 
 
 def test_int4_needs_a_width_that_is_a_multiple_of_32():

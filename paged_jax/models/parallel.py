@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kernels import cpu_matmul
+from kernels import cpu_matmul, weight_codes
 from kernels.cpu_matmul import Packed
 
 if TYPE_CHECKING:  # models import this module (the forward's collectives)
@@ -184,7 +184,12 @@ def pack_shards(params: dict, mesh: Mesh, weights: str) -> dict:
     per device. Norms and biases stay as they are."""
     def pack(w, axis: int) -> Packed:
         shards = sorted(w.addressable_shards, key=lambda s: s.index[axis].start or 0)
-        local = [cpu_matmul.pack(np.asarray(s.data), weights, s.device) for s in shards]
+        whole = functools.partial(cpu_matmul.pack, weights=weights,  # the whole's supers
+                                  per_super=weight_codes.per_super(w.shape[1] // 32))
+        local = [whole(np.asarray(s.data), device=s.device) for s in shards]
+        if len({jax.tree.structure(x) for x in local}) > 1:  # int8: a 4-bit grid on some only
+            local = [whole(np.asarray(s.data), device=s.device, keep_grid=False)
+                     for s in shards]
         spec = _packed_spec(axis)
 
         def join(parts, s):  # this process's shards of one array split over the whole mesh
@@ -192,9 +197,10 @@ def pack_shards(params: dict, mesh: Mesh, weights: str) -> dict:
             shape[axis] *= mesh.size
             return jax.make_array_from_single_device_arrays(
                 tuple(shape), NamedSharding(mesh, s), parts)
-        fields = [[getattr(x, f) for x in local] for f in ("panels", "scales", "mins")]
+        fields = [[getattr(x, f) for x in local] for f in ("panels", "scales", "mins", "supers")]
         return Packed(join(fields[0], spec), local[0].n,
-                      *(None if parts[0] is None else join(parts, spec) for parts in fields[1:]))
+                      *(None if parts[0] is None else join(parts, spec) for parts in fields[1:]),
+                      quantize_x=local[0].quantize_x)
 
     out = {**params, "layers": [{k: pack(v, _LAYER_AXIS[k]) if k in _LAYER_AXIS and v.ndim == 2
                                  else v for k, v in p.items()} for p in params["layers"]]}
