@@ -150,10 +150,10 @@ def _int4_chunk(x: np.ndarray, coded: int) -> tuple:
         scale, lo = scale.astype(np.float16), lo.astype(np.float16)
         q = weight_codes.codes4(x, scale.astype(np.float32), lo.astype(np.float32))
         return q, scale, lo
-    sc, su = weight_codes.two_level(scale, weight_codes.SCALE_LEVELS, False, coded)
-    mc, mu = weight_codes.two_level(lo, weight_codes.MIN_LEVELS, True, coded)
-    back = lambda c, u: c * np.repeat(u.astype(np.float32), coded, axis=-2)  # noqa: E731
-    q = weight_codes.codes4(x, back(sc, su), back(mc, mu))
+    _, su = weight_codes.two_level(scale, weight_codes.SCALE_LEVELS, False, coded)
+    _, mu = weight_codes.two_level(lo, weight_codes.MIN_LEVELS, True, coded)
+    each = lambda u: np.repeat(u.astype(np.float32), coded, axis=-2)  # noqa: E731
+    q, sc, mc = weight_codes.nearest_pair(x, scale, lo, each(su), each(mu))
     return q, sc, mc, np.stack([su, mu], axis=-2)  # units [.., K / (32 S), 2, 16]
 
 

@@ -5,7 +5,9 @@ numpy, on the host, at load. Groups are [.., 32, 16]: 32 consecutive inputs of o
     int8_groups   symmetric: a float16 scale per group, max |w| / 127, round to nearest
     grid4         a 4-bit grid per group: w = scale * q + min, q in 0..15, the scale
                   (max - min) / j for the j in 15..1 with the least squared error, so a group
-                  already on a grid of j + 1 levels (a GGUF Q4 block, dequantized) is found
+                  already on a grid of j + 1 levels (a GGUF Q4 block, dequantized) is found;
+                  a group on no such grid then has its scale and min refit to its codes by
+                  least squares (as GGUF's K-quant search does)
     two_level     group scales and mins as 8-bit codes times a float16 unit per column and
                   S groups (GGUF's K-quants keep 6-bit codes per 32 and float16 units per 256)
     on_grid       whether every group lies on its 4-bit grid (a 4-bit source): int8 weights
@@ -44,6 +46,24 @@ def grid4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         else:
             scale = np.where(err < 0.999 * best_err, d, scale)
             best_err = np.minimum(best_err, err)
+    return _least_squares(x, scale, lo, best_err)
+
+
+def _least_squares(x: np.ndarray, scale: np.ndarray, lo: np.ndarray, err: np.ndarray,
+                   rounds: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """Groups off any 4-bit grid: (scale, min) refit to their codes by least squares and
+    recoded, a few rounds, kept where the error falls (a group on its grid keeps it)."""
+    for _ in range(rounds):
+        q = codes4(x, scale, lo).astype(np.float32)
+        qm, xm = q.mean(axis=-2, keepdims=True), x.mean(axis=-2, keepdims=True)
+        var = ((q - qm) ** 2).sum(axis=-2)
+        s = np.where(var > 0, ((q - qm) * (x - xm)).sum(axis=-2) / np.where(var > 0, var, 1),
+                     scale)
+        m = xm[..., 0, :] - s * qm[..., 0, :]
+        m = np.minimum(m, x.min(axis=-2))  # codes stay >= 0 at the group's min
+        e = ((codes4(x, s, m) * s[..., None, :] + m[..., None, :] - x) ** 2).sum(axis=-2)
+        better = (e < 0.999 * err) & (s > 0)
+        scale, lo, err = np.where(better, s, scale), np.where(better, m, lo), np.minimum(e, err)
     return scale, lo
 
 
@@ -90,3 +110,30 @@ def two_level(v: np.ndarray, levels: tuple[int, ...], signed: bool, s: int
         err, unit = np.where(pick, e, err), np.where(pick, u16, unit)
         codes = np.where(pick[..., None, :], c, codes)
     return codes.astype(np.int8 if signed else np.uint8).reshape(v.shape), unit
+
+
+def nearest_pair(x: np.ndarray, scale: np.ndarray, lo: np.ndarray, s_unit: np.ndarray,
+                 m_unit: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(4-bit codes, scale codes uint8, min codes int8) of groups x [.., 32, 16] whose grid
+    (scale, lo) [.., 16] is coded against units [.., 16] (one per group, repeated from its
+    super): of the codes just below and above scale / s_unit and lo / m_unit, the pair whose
+    grid reconstructs the group with the least squared error."""
+    best = None
+    s_lo, m_lo = np.floor(scale / _nonzero(s_unit)), np.floor(lo / _nonzero(m_unit))
+    for ds in (0, 1):
+        for dm in (0, 1):
+            sc, mc = np.clip(s_lo + ds, 0, 255), np.clip(m_lo + dm, -127, 127)
+            s, m = sc * s_unit, mc * m_unit
+            q = codes4(x, s, m)
+            err = ((q * s[..., None, :] + m[..., None, :] - x) ** 2).sum(axis=-2)
+            if best is None:
+                best = [err, q, sc, mc]
+                continue
+            pick = err < best[0]
+            best = [np.where(pick, err, best[0]), np.where(pick[..., None, :], q, best[1]),
+                    np.where(pick, sc, best[2]), np.where(pick, mc, best[3])]
+    return best[1], best[2].astype(np.uint8), best[3].astype(np.int8)
+
+
+def _nonzero(u: np.ndarray) -> np.ndarray:
+    return np.where(u > 0, u, 1)

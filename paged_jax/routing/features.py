@@ -43,9 +43,14 @@ NAMES = FIRST + ANSWER + PROMPT
 PROMPT_COLUMNS = tuple(range(len(FIRST) + len(ANSWER), len(NAMES)))  # text alone
 
 
+def _ranked(position: dict[int, Logprob]) -> list[float]:
+    """One position's logprobs, best first."""
+    return sorted((x.logprob for x in position.values()), reverse=True)
+
+
 def logprob_features(first: dict[int, Logprob]) -> list[float]:
     """The four features of the first output position's top logprobs."""
-    lps = sorted((x.logprob for x in first.values()), reverse=True)[:TOP_K]
+    lps = _ranked(first)[:TOP_K]
     second = lps[1] if len(lps) > 1 else lps[0] - 20.0
     mass = math.log(sum(math.exp(x) for x in lps))
     probs = [math.exp(x - mass) for x in lps]
@@ -58,10 +63,7 @@ def answer_features(positions: list[dict[int, Logprob]], token_ids: list[int],
     """The five features of the answer's first positions (the window): `token_ids` are the
     tokens chosen there, `done` whether the answer ended within them."""
     chosen = [pos[t].logprob for pos, t in zip(positions, token_ids, strict=True)]
-    margins = []
-    for pos in positions:
-        lps = sorted((x.logprob for x in pos.values()), reverse=True)
-        margins.append(lps[0] - lps[1] if len(lps) > 1 else 20.0)
+    margins = [lps[0] - lps[1] if len(lps) > 1 else 20.0 for lps in map(_ranked, positions)]
     return [float(np.mean(chosen)), min(chosen), min(margins), float(len(chosen)), float(done)]
 
 
