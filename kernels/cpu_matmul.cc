@@ -19,14 +19,15 @@
 //                                                          (AVX-512: 6 x 32, by chunks of k)
 //
 // Int8 and int4 weights (PackedMatmulInt8 / PackedMatmulInt4): codes in blocks of k with
-// group scales (cpu_matmul_quant.h), a quarter or an eighth of float32's bytes. For two rows
-// of x or more a task decodes each of its panels once into a float32 buffer (16 x K floats,
-// L2-sized) and runs the float micro-kernel on it for every row; a single row (batch-1
-// decode) multiplies the codes by x's own int8 codes in integer dot products.
+// group scales (cpu_matmul_quant.h), a quarter or an eighth of float32's bytes. Int4 (W4A8)
+// multiplies the codes by x's own int8 codes in integer dot products, four rows of x at a
+// time. Weight-only codes: for two rows of x or more a task decodes each of its panels once
+// into a float32 buffer (16 x K floats, L2-sized) and runs the float micro-kernel on it for
+// every row; a single row (batch-1 decode) widens the codes in registers.
 //
 // Written with GCC vector extensions: the same source builds wherever g++ does, and on x86
 // with -march=native compiles to AVX2 / AVX-512VL FMAs. The integer dot products use AVX2 /
-// AVX-VNNI intrinsics (elsewhere one row takes the float path).
+// AVX-VNNI intrinsics (elsewhere int4 takes the float path).
 
 #include <algorithm>
 #include <atomic>
@@ -223,11 +224,21 @@ struct Problem {
   }
 };
 
-// Row 0 of x (quantized) against int4 panel p, in integers (kIntegerRow machines only).
-void row_integer(const Problem& pb, int64_t p, int64_t cols) {
+// Rows [m0, m1) of x (quantized) against int4 panel p, in integers, four at a time
+// (kIntegerRow machines only).
+void rows_integer(const Problem& pb, int64_t p, int64_t cols, int64_t m0, int64_t m1) {
 #ifdef __AVX2__
-  micro_row_int4(*pb.xq, pb.K, static_cast<const uint8_t*>(pb.panels) + p * pb.K * 8,
-                 pb.int4(p), pb.y + p * kNR, cols);
+  const uint8_t* q = static_cast<const uint8_t*>(pb.panels) + p * pb.K * 8;
+  const Int4Params params = pb.int4(p);
+  for (int64_t m = m0; m < m1; m += 4) {
+    float* y = pb.y + m * pb.N + p * kNR;
+    switch (std::min<int64_t>(4, m1 - m)) {
+      case 1: micro_rows_int4<1>(*pb.xq, m, pb.K, q, params, y, pb.N, cols); break;
+      case 2: micro_rows_int4<2>(*pb.xq, m, pb.K, q, params, y, pb.N, cols); break;
+      case 3: micro_rows_int4<3>(*pb.xq, m, pb.K, q, params, y, pb.N, cols); break;
+      default: micro_rows_int4<4>(*pb.xq, m, pb.K, q, params, y, pb.N, cols);
+    }
+  }
 #endif
 }
 
@@ -249,11 +260,12 @@ void run_task(const Problem& pb, int64_t t, std::vector<float>& buf, std::vector
   const int64_t m1 = std::min(pb.M, m0 + kMC), p1 = std::min(pb.P, p0 + pb.panels_per_task);
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t cols = std::min(kNR, pb.N - p * kNR);
-    if (pb.M == 1 && pb.scales != nullptr && (pb.xq == nullptr || kIntegerRow)) {
-      if (pb.xq == nullptr)
-        row_float(pb, p, cols);  // one row: the codes widened in registers
-      else
-        row_integer(pb, p, cols);  // one row: integer dot products on x's codes
+    if (pb.xq != nullptr && kIntegerRow) {  // int4 W4A8: integer dot products on x's codes
+      rows_integer(pb, p, cols, m0, m1);
+      continue;
+    }
+    if (pb.M == 1 && pb.scales != nullptr && pb.xq == nullptr) {
+      row_float(pb, p, cols);  // one row: the codes widened in registers
       continue;
     }
     const float* panel = pb.panel(p, buf);

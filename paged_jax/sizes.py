@@ -1,4 +1,4 @@
-"""The project's two size rules, for host ints and device arrays alike."""
+"""The project's size rules, for host ints and device arrays alike."""
 
 from __future__ import annotations
 
@@ -11,3 +11,10 @@ def cdiv(a, b):
 def next_pow2(n: int, lo: int = 1) -> int:
     """Smallest power of two >= max(n, lo): the shape buckets."""
     return 1 << (max(n, lo) - 1).bit_length()
+
+
+def next_half_octave(n: int, lo: int = 1) -> int:
+    """Smallest size >= max(n, lo) of the form 2^k or 3 * 2^(k-1) (a prefill step's token
+    bucket: padding at most a third of the step, not half; `lo` a power of two)."""
+    p = next_pow2(n, lo)
+    return p * 3 // 4 if p >= 4 and p * 3 // 4 >= max(n, lo) else p

@@ -63,6 +63,16 @@ def test_ragged_step_shapes():
     assert batch.admit.slot.shape == (EC.max_num_seqs,) and (np.asarray(batch.admit.slot) < 0).all()
 
 
+@pytest.mark.parametrize("prompt, tokens", [(16, 16), (17, 24), (41, 48), (49, 64), (65, 96),
+                                           (100, 128), (129, 512)])
+def test_prefill_token_buckets_pad_at_most_a_third(prompt, tokens):
+    """Budget 512: buckets 16, 24, 32, 48, 64, 96, 128, then the budget."""
+    ec = dataclasses.replace(EC, max_num_batched_tokens=512, max_num_seqs=8)
+    seq = running(1, length=prompt)[0]
+    seq.num_computed = 0
+    assert batch_lib._step_buckets([(seq, prompt)], 1, ec) == (8, tokens)
+
+
 def test_decode_only_steps_follow_the_running_sequences_and_admit_nothing():
     """Async scheduling's hot loop: rows from 1, no admission rows unless a slot joins."""
     for n, rows in [(1, 1), (3, 4), (5, 8)]:

@@ -9,9 +9,10 @@ its work costs while the number of compiled programs stays small:
     ragged step (prefill chunks, admissions, forks; its cost is mostly its T tokens):
       rows R          with prefill chunks: S (every slot: one row bucket at any load);
                       decode-only (async scheduling's hot loop): power of two from 1
-      tokens T        decode-only: R; with prefill chunks: a power of two from 16 up to
-                      budget / 4, else the budget (a short prompt's step costs what its
-                      tokens cost, not a 128-token step: `experiments.weight_layout`)
+      tokens T        decode-only: R; with prefill chunks: 2^k or 3 * 2^(k-1) from 16 up
+                      to budget / 4, else the budget (a short prompt's step costs what its
+                      tokens cost, not a 128-token step: `experiments.weight_layout`; a
+                      41-token prompt pads to 48, not 64)
       max_q           1 (decodes), T / 8 (every chunk short), or T
       max_q_rows      1, 4 or R rows with more than one token (they come first)
       admissions A    max_num_seqs entries (none in a decode-only step that admits nothing)
@@ -45,7 +46,7 @@ from paged_jax.engine.plan import Admit, Plan
 from paged_jax.engine.sequence import Sequence
 from paged_jax.engine.step import Admissions, StepBatch, StepShape
 from paged_jax.sample import sampler as smp
-from paged_jax.sizes import cdiv, next_pow2
+from paged_jax.sizes import cdiv, next_half_octave, next_pow2
 
 
 def page_bucket(num_tokens: int, ec) -> int:
@@ -219,7 +220,7 @@ def _step_buckets(chunks: list[tuple[Sequence, int]], num_rows: int, ec) -> tupl
     # bucket (all slots) means a server meets the same few programs at every load.
     r = next_pow2(ec.max_num_seqs)
     total = sum(n for _, n in chunks)
-    t = next_pow2(total, min(16, top))
+    t = next_half_octave(total, min(16, top))
     return r, top if t > top // 4 else t
 
 
