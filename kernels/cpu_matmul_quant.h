@@ -18,9 +18,9 @@
 //
 //   sum_k w[k, c] x[k] = scale_c * s * sum_k q[k, c] xq[k]  (+ min_c * s * sum_k xq[k])
 //
-// Up to four rows share each block of codes as it is unpacked (a 1.5B's 41-token prefill took
-// 0.28 s against 0.41 s on the decoded panel with float FMAs), and a row's integer sums do
-// not depend on its batch. Without AVX2 the same xq runs the float path, dequantized. Weight-only
+// Up to four rows share each block of codes as it is unpacked (a prefill then runs at the byte
+// dot products' rate, not float FMAs': docs/architecture.md), and a row's integer sums do not
+// depend on its batch. Without AVX2 the same xq runs the float path, dequantized. Weight-only
 // weights (int8 W8A16, int4 W4A16 where asked) multiply float activations: a single row with
 // the codes widened in registers, two rows or more through the float micro-kernel on the
 // decoded panel.
