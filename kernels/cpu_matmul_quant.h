@@ -94,22 +94,13 @@ void decode_panel8(const int8_t* q, const uint16_t* scales, int64_t group, int64
   }
 }
 
-// 8 bytes -> 8 float32 (unsigned or signed codes).
-inline v8 bytes8(const uint8_t* p) {
+// 8 bytes -> 8 float32 (uint8_t or int8_t codes, widened with or without their sign).
+template <typename T>
+inline v8 bytes8(const T* p) {
 #ifdef __AVX2__
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return (v8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
-#else
-  v8 out;
-  for (int i = 0; i < 8; ++i) out[i] = float(p[i]);
-  return out;
-#endif
-}
-
-inline v8 bytes8(const int8_t* p) {
-#ifdef __AVX2__
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  return (v8)_mm256_cvtepi32_ps(std::is_signed_v<T> ? _mm256_cvtepi8_epi32(b)
+                                                    : _mm256_cvtepu8_epi32(b));
 #else
   v8 out;
   for (int i = 0; i < 8; ++i) out[i] = float(p[i]);
