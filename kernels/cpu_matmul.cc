@@ -194,8 +194,9 @@ struct Problem {
   const void* mins;    // int4 only: float16 bits [P, K / group, 16] (two-level: int8 codes)
   const uint16_t* supers;  // two-level int4 only: float16 units [P, K / (32 S), 2, 16]
   int64_t per_super;       // S
-  bool quantize_x;         // the weights ask for x quantized (W4A8 / W8A8)
-  const QuantRows* xq;   // x quantized when asked (pb.x then points at its dequantized rows)
+  bool quantize_x;         // the weights ask for x quantized (int4, W4A8)
+  const QuantRows* xq;   // x quantized when asked (without kIntegerRow pb.x then points at
+                         // its dequantized rows)
   const float* xsum;     // weight-only int4, one row: x's sum per group of 32
   int64_t group;
   float* y;
@@ -303,8 +304,10 @@ void run(ffi::ThreadPool& pool, Problem pb) {
   };
   auto shared = std::make_shared<Shared>();
   if (pb.quantize_x && pb.K % kGX == 0) {  // every path multiplies x quantized
-    shared->xq.set(pb.x, pb.M, pb.K);
-    pb.x = shared->xq.dequant.data(), pb.xq = &shared->xq;
+    // The integer path reads the codes; only the float fallback needs them dequantized.
+    shared->xq.set(pb.x, pb.M, pb.K, !kIntegerRow);
+    pb.xq = &shared->xq;
+    if (!kIntegerRow) pb.x = shared->xq.dequant.data();
   } else if (pb.mins != nullptr && pb.M == 1) {
     shared->xsum.assign(pb.K / kGX, 0.f);
     for (int64_t k = 0; k < pb.K; ++k) shared->xsum[k / kGX] += pb.x[k];

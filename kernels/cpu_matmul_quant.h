@@ -47,10 +47,11 @@ struct QuantRows {
   std::vector<int8_t> q;       // [M, K]
   std::vector<float> scale;    // [M, K / kGX]
   std::vector<int32_t> sum;    // [M, K / kGX]
-  std::vector<float> dequant;  // [M, K]: q * scale, what the float path multiplies
+  std::vector<float> dequant;  // [M, K]: q * scale, what the float path multiplies (if asked)
 
-  void set(const float* x, int64_t M, int64_t K) {
-    q.resize(M * K), scale.resize(M * K / kGX), sum.resize(M * K / kGX), dequant.resize(M * K);
+  void set(const float* x, int64_t M, int64_t K, bool dequantize) {
+    q.resize(M * K), scale.resize(M * K / kGX), sum.resize(M * K / kGX);
+    dequant.resize(dequantize ? M * K : 0);
     for (int64_t g = 0; g < M * K / kGX; ++g) group(x + g * kGX, g);
   }
 
@@ -69,7 +70,7 @@ struct QuantRows {
 #endif
     for (int64_t i = 0; i < kGX; ++i) {
       q[g * kGX + i] = int8_t(v[i]), total += v[i];
-      dequant[g * kGX + i] = float(v[i]) * s;
+      if (!dequant.empty()) dequant[g * kGX + i] = float(v[i]) * s;
     }
     scale[g] = s, sum[g] = total;
   }
@@ -231,8 +232,9 @@ void micro_rows_int4(const QuantRows& x, int64_t m, int64_t K, const uint8_t* q,
     for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_si256();
     for (int64_t b = g; b < g + kGX; b += 8) {
       const __m256i w0 = load256(q + b * 8), w1 = load256(q + b * 8 + 32);
-      const __m256i l0 = _mm256_and_si256(w0, nib), h0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), nib);
-      const __m256i l1 = _mm256_and_si256(w1, nib), h1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), nib);
+      const __m256i l0 = _mm256_and_si256(w0, nib), l1 = _mm256_and_si256(w1, nib);
+      const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), nib);
+      const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), nib);
       for (int r = 0; r < R; ++r) {
         int32_t xl, xh;
         std::memcpy(&xl, xq + r * K + b, 4);
@@ -254,5 +256,5 @@ void micro_rows_int4(const QuantRows& x, int64_t m, int64_t K, const uint8_t* q,
   for (int r = 0; r < R; ++r) store_row(y + r * ldy, cols, a0[r], a1[r]);
 }
 #else
-constexpr bool kIntegerRow = false;  // one row runs the float path too
+constexpr bool kIntegerRow = false;  // int4 runs the float path on x dequantized
 #endif
