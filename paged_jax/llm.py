@@ -23,6 +23,7 @@ from paged_jax.engine import Engine, EngineConfig
 from paged_jax.engine.balance import Balancer
 from paged_jax.engine.beam_search import beam_search
 from paged_jax.engine.input import prompt_ids
+from paged_jax.engine.speculative import SpeculativeConfig
 from paged_jax.models import Tokenizer, load_model, parallel
 from paged_jax.models.tokenizer import tokenizer_from_folder
 from paged_jax.outputs import BeamSearchOutput, RequestOutput
@@ -140,6 +141,10 @@ class LLM:
       long_prefill_token_threshold: the most tokens of one prompt a step prefills (vLLM's
         name); 0 = all the budget left after the decodes. Caps how long a step takes while
         a long prompt prefills beside running decodes.
+      speculative_config: speculative decoding, vLLM's dict: {"method": "ngram",
+        "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}
+        (engine/speculative.py); turns async_scheduling off (drafts continue the tokens of
+        the step before). Same tokens as without it.
       model_parts: (config, params, tokenizer) to use instead of loading `model`.
     """
 
@@ -155,7 +160,7 @@ class LLM:
         kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
         data_parallel_size: int = 1, static_shapes: bool = False,
         async_scheduling: bool = True, long_prefill_token_threshold: int = 0,
-        **unsupported,
+        speculative_config: dict | None = None, **unsupported,
     ):
         if unsupported:
             raise TypeError(f"LLM() got unsupported arguments: {sorted(unsupported)}")
@@ -165,6 +170,7 @@ class LLM:
                             ("tensor_parallel_size", tensor_parallel_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        speculative = SpeculativeConfig.of(speculative_config)  # fails before loading
         dtype = resolve_dtype(dtype)
         kv_dtype = kv_quant.storage_dtype(kv_cache_dtype, DTYPES[dtype])  # fails before loading
         t0 = time.perf_counter()
@@ -191,8 +197,9 @@ class LLM:
             quantization=quantization, max_logprobs=max_logprobs, seed=seed,
             enable_prefix_caching=enable_prefix_caching, swap_space=int(swap_space * (1 << 30)),
             kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size,
-            static_shapes=static_shapes, async_scheduling=async_scheduling,
-            long_prefill_token_threshold=long_prefill_token_threshold)
+            static_shapes=static_shapes,
+            async_scheduling=async_scheduling and speculative is None,
+            long_prefill_token_threshold=long_prefill_token_threshold, speculative=speculative)
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         self.replicas = [Engine(config, params, tok, dataclasses.replace(

@@ -68,6 +68,8 @@ class RequestMetrics:
       last_token_time: when its latest output token was sampled.
       finished_time: when it finished.
       time_in_queue: first_scheduled_time - arrival_time.
+      num_drafts, num_draft_tokens, num_accepted_tokens: speculative decoding: verify steps
+        with drafts, draft tokens proposed, and accepted (vLLM's spec_decode names).
     """
 
     arrival_time: float
@@ -76,6 +78,9 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     time_in_queue: float | None = None
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclasses.dataclass

@@ -98,6 +98,20 @@ def release(
     return pool, table
 
 
+def truncate(
+    pool: BlockPool, table: PageTable, new_lens: Int[Array, "S"]
+) -> tuple[BlockPool, PageTable]:
+    """Shortens every slot to `new_lens` (at most its length): blocks wholly past the new end
+    lose the slot's reference (speculative decoding's rollback of rejected tokens)."""
+    col = jnp.arange(table.max_blocks_per_seq)[None, :]
+    keep = cdiv(new_lens, table.block_size)[:, None]
+    drop = (col >= keep) & (col < num_blocks_held(table)[:, None])
+    pool = pool_lib.decref(pool, jnp.where(drop, table.block_tables, NULL_BLOCK))
+    table = dataclasses.replace(
+        table, block_tables=jnp.where(drop, NULL_BLOCK, table.block_tables), seq_lens=new_lens)
+    return pool, table
+
+
 def fork(
     pool: BlockPool, table: PageTable, src: Int[Array, "F"], dst: Int[Array, "F"]
 ) -> tuple[BlockPool, PageTable]:

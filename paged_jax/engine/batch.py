@@ -8,8 +8,10 @@ its work costs while the number of compiled programs stays small:
       rows R          next power of two of the running sequences (from 1)
     ragged step (prefill chunks, admissions, forks; its cost is mostly its T tokens):
       rows R          with prefill chunks: S (every slot: one row bucket at any load);
-                      decode-only (async scheduling's hot loop): power of two from 1
-      tokens T        decode-only: R; with prefill chunks: 2^k or 3 * 2^(k-1) from 16 up
+                      decode-only (async scheduling's hot loop) and verify: power of two
+                      from 1
+      tokens T        decode-only: R; verify (decodes with drafts): power of two of the
+                      tokens; with prefill chunks: 2^k or 3 * 2^(k-1) from 16 up
                       to budget / 4, else the budget (a short prompt's step costs what its
                       tokens cost, not a 128-token step: `experiments.weight_layout`; a
                       41-token prompt pads to 48, not 64)
@@ -66,12 +68,13 @@ class Call:
     """A plan as one jitted call (the runner picks the program by `kind`).
 
     Attributes:
-      kind: "step" (run_step), "window" (decode_window) or "ops" (run_ops).
+      kind: "step" (run_step), "window" (decode_window), "verify" (run_verify: speculative
+        decoding) or "ops" (run_ops).
       rows: the sequence of each row, in row order (steps: long chunks first, then single
         tokens, then n > 1 fork children).
       ops: the allocator ops, always present.
       shape: static bounds (None for "ops").
-      batch: the step's batch ("step").
+      batch: the step's batch ("step", "verify").
       window: (row_slots [R], tokens [R]) of a decode window ("window").
       forks: (parent, children) pairs the step forks (n > 1 requests finishing their prompt).
     """
@@ -94,6 +97,10 @@ def build(plan: Plan, ec, eos_ids: list[int], vocab_size: int, backend: str) -> 
         row_slots, tokens, shape, rows = build_window(plan, ec, backend)
         return Call("window", rows, ops, shape, window=(row_slots, tokens))
     batch, shape, forks, rows = build_step(plan, ec, eos_ids, vocab_size, backend)
+    if plan.drafts:  # speculative decoding (engine/verify.py): decodes only, no admissions
+        shape = dataclasses.replace(shape, verify=ec.speculative.k + 1)
+        own = np.arange(batch.row_slots.shape[0]) < len(rows)
+        return Call("verify", rows, ops, shape, dataclasses.replace(batch, ops=ops, own=own))
     if plan.flags is not None:
         shape = dataclasses.replace(shape, flags=plan.flags)
     own = np.zeros(batch.row_slots.shape[0], bool)
@@ -172,16 +179,17 @@ def build_step(
              if seq.num_computed + n == seq.length and seq.owner.params.n > 1
              and not seq.owner.forked and seq.index == 0]
     rows = [seq for seq, _ in chunks] + [c for _, cs in forks for c in cs]
-    r, t = _step_buckets(chunks, len(rows), ec)
+    r, t = _step_buckets(chunks, len(rows), ec, bool(plan.drafts))
     tok, pos, rows_of = np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, -1, np.int32)
     row_slots, qs, sample = np.full(r, -1, np.int32), np.zeros(r + 1, np.int32), np.zeros(r, bool)
     o = 0
     for i, (seq, n) in enumerate(chunks):
-        a = seq.num_computed
-        known = seq.tokens[a:a + n]  # the rest: sampled in the step before, still on the device
+        a, drafts = seq.num_computed, plan.drafts.get(id(seq), [])
+        # tokens not known yet were sampled in the step before and are still on the device
+        known = seq.tokens[a:a + n] + drafts
         tok[o:o + len(known)], tok[o + len(known):o + n] = known, -1
         pos[o:o + n], rows_of[o:o + n] = np.arange(a, a + n), i
-        row_slots[i], sample[i] = seq.slot, a + n == seq.length
+        row_slots[i], sample[i] = seq.slot, a + n == seq.length or bool(drafts)
         o += n
         qs[i + 1] = o
     qs[len(chunks) + 1:] = o
@@ -202,17 +210,20 @@ def build_step(
     arrays = (tok, pos, rows_of, row_slots, qs, sample, fs, fd, fi, next_ids)
     # A decode-only step with nothing to admit (the async hot loop) sends no admission rows:
     # a program of its own, and a dozen fewer host -> device copies per step.
-    none = not plan.admits and shape.max_q == 1 and not ec.static_shapes
+    none = not plan.admits and (shape.max_q == 1 or plan.drafts) and not ec.static_shapes
     admit = None if none else build_admissions(plan.admits, ec, shape.flags, eos_ids,
                                                vocab_size)
     return StepBatch(*arrays[:-1], admit=admit, next_ids=arrays[-1]), shape, forks, rows
 
 
-def _step_buckets(chunks: list[tuple[Sequence, int]], num_rows: int, ec) -> tuple[int, int]:
+def _step_buckets(chunks: list[tuple[Sequence, int]], num_rows: int, ec,
+                  verify: bool = False) -> tuple[int, int]:
     """Rows R and tokens T of a ragged step (the module docstring's rules)."""
     top = next_pow2(ec.max_num_batched_tokens)
     if ec.static_shapes:
         return ec.max_num_seqs, max(top, next_pow2(ec.max_num_seqs))
+    if verify:  # decodes and their drafts: every token is sampled, so pad little
+        return next_pow2(num_rows), next_pow2(sum(n for _, n in chunks))
     if not any(n > 1 for _, n in chunks):  # decodes only: the window's buckets (from 1)
         r = next_pow2(num_rows)
         return r, r

@@ -6,6 +6,7 @@ import dataclasses
 
 from paged_jax.cache import kv_quant
 from paged_jax.cache.config import CacheConfig
+from paged_jax.engine.speculative import SpeculativeConfig
 from paged_jax.sizes import cdiv
 
 
@@ -56,6 +57,8 @@ class EngineConfig:
         one program per kind of call (step, window, ops) instead of one per bucket. Fewer
         compiles (tests; an accelerator whose programs are few and fixed), more padded work
         on small steps; the same tokens (engine/batch.py).
+      speculative: speculative decoding (engine/speculative.py; vLLM's speculative_config),
+        None: off. Needs async_scheduling False (a draft needs the tokens of the step before).
     """
 
     block_size: int = 16
@@ -80,6 +83,7 @@ class EngineConfig:
     static_shapes: bool = False
     async_scheduling: bool = False
     long_prefill_token_threshold: int = 0
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         kv_quant.storage_dtype(self.kv_cache_dtype, "float32")  # a clear error if unknown
@@ -103,6 +107,9 @@ class EngineConfig:
         if self.quantization and self.matmul_backend == "xla":
             raise ValueError(f"quantization={self.quantization!r} runs on the CPU matmul "
                              f"kernel; matmul_backend='xla' reads float weights")
+        if self.speculative is not None and self.async_scheduling:
+            raise ValueError("speculative decoding needs async_scheduling=False: its drafts "
+                             "continue the tokens of the step before")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0 = no cap), "
                              f"got {self.long_prefill_token_threshold}")

@@ -61,7 +61,7 @@ class StepStats:
 
     time: float
     duration: float
-    kind: str  # "step", "window", "ops" or "idle"
+    kind: str  # "step", "window", "verify", "ops" or "idle"
     num_tokens: int
     num_steps: int
     running: int
@@ -99,7 +99,8 @@ class Engine:
             SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.block_size,
                             ec.admission, ec.max_skips, ec.decode_window, ec.seed,
                             async_scheduling=ec.async_scheduling,
-                            long_prefill_token_threshold=ec.long_prefill_token_threshold),
+                            long_prefill_token_threshold=ec.long_prefill_token_threshold,
+                            speculative=ec.speculative),
             self.kv, policy, tokenizer)
         self.requests: dict[str, Request] = {}
         self._in_flight: tuple[Plan, Pending] | None = None  # async: sent, not read yet
@@ -322,7 +323,7 @@ class Engine:
     def _record(self, t0: float, plan: Plan, out: StepOutput | None, preempted: int) -> None:
         kind = "idle" if out is None else out.kind
         steps = out.steps if out is not None and out.ok else 0
-        tokens = plan.num_tokens if kind == "step" else steps * len(plan.chunks)
+        tokens = plan.num_tokens if kind in ("step", "verify") else steps * len(plan.chunks)
         st = StepStats(
             time=time.time(), duration=time.perf_counter() - t0, kind=kind,
             num_tokens=tokens if steps else 0, num_steps=steps,

@@ -5,6 +5,7 @@
     Plan.ops       the KV manager's queued allocator work (cache/ops.py), host arrays
     Plan.restores  swapped-out sequences coming back (swap preemption mode only)
     Plan.window    run the decodes as a decode window (several steps in one call)
+    Plan.drafts    speculative decoding: draft tokens a row verifies (a verify call)
 
 A plan with no chunks but with ops is an ops-only call (an engine going idle, or a step
 whose sequences all wait for blocks a pending release gives back).
@@ -61,6 +62,8 @@ class Plan:
     ops: dict[str, np.ndarray] | None = None
     restores: list[tuple] = dataclasses.field(default_factory=list)  # (slot, tokens, parts)
     window: bool = False  # run as a decode window (decodes only, nothing joins)
+    # id(seq) -> its draft tokens (engine/speculative.py); its chunk is 1 + len(drafts)
+    drafts: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     flags: SampleFlags | None = None  # sampler features, if not the rows' own (beam search)
     owned: bool = True  # the device settles the rows (step.settle); not beam search's
     deferred: int = 0  # sequences that wait for blocks a pending release gives back

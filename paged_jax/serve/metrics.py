@@ -64,6 +64,12 @@ class ServerMetrics:
         self.preemptions = Counter("vllm:num_preemptions", "Preemptions of running requests",
                                    **lab)
         self._preempted = 0  # the engine's count at the last step
+        # speculative decoding (vLLM's names): verify rows with drafts, tokens drafted, kept
+        self.spec = {name: Counter(f"vllm:spec_decode_{name}", text, **lab) for name, text in (
+            ("num_drafts", "Verify steps of a sequence with draft tokens"),
+            ("num_draft_tokens", "Draft tokens proposed"),
+            ("num_accepted_tokens", "Draft tokens accepted"))}
+        self._spec_seen = dict.fromkeys(self.spec, 0)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests",
                                      **lab)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", **lab)
@@ -111,6 +117,10 @@ class ServerMetrics:
         n = engine.scheduler.num_preempted
         self.preemptions.labels(self.model).inc(n - self._preempted)
         self._preempted = n
+        for name, counter in self.spec.items():
+            total = getattr(engine.scheduler.spec, name)
+            counter.labels(self.model).inc(total - self._spec_seen[name])
+            self._spec_seen[name] = total
         for out in outs:
             if out.finished:
                 self.finished(out)

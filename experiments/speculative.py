@@ -1,0 +1,195 @@
+"""Speculative decoding (n-gram prompt lookup) against plain decoding, alternating in one run.
+
+    python -m experiments.speculative [--model qwen2.5-coder-0.5b] [--rounds 3]
+        [--batches 1 4 16] [--ks 2 4 8] [--tokens 160]
+
+Workloads, through the model's chat template, greedy, each request ending at EOS or
+--tokens (the same tokens on every side: checked):
+  code-edit   a real function (Python's or ours) to return whole with one name
+              changed: the answer is mostly the prompt's text (n-gram's best case)
+  summarise   a passage to summarise in its own words (some copying)
+  chat        a short story (little to copy)
+Sides: "plain" (LLM's defaults: async scheduling) and "ngram k" for each k (speculation
+turns async scheduling off), built once and alternated round by round. At batch 1 every k
+runs; at larger batches only the middle k. Per cell: output tok/s (median and spread of the
+rounds, a verdict against plain), acceptance rate (accepted / draft tokens), mean acceptance
+length (1 + accepted per verify row, vLLM's definition), and greedy agreement with plain.
+Writes results/speculative.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import shlex
+import statistics
+import string
+import textwrap
+import time
+
+from experiments import common
+from experiments.prompts import PASSAGE, TOPICS
+from paged_jax.engine import output
+
+FUNCTIONS = (textwrap.indent, output.stop_string, shlex.quote, common.target_verdict,
+             string.capwords, output.detokenize, textwrap.shorten, common.compare)
+TARGETS = {"code-edit batch 1": 2.0}  # the issue's bar: wall speedup over plain
+
+
+def code_edit(i: int) -> str:
+    fn = FUNCTIONS[i % len(FUNCTIONS)]
+    src = textwrap.dedent(inspect.getsource(fn))
+    return (f"Rename the function `{fn.__name__}` to `{fn.__name__}_v2`. Change nothing else: "
+            f"return the complete function, docstring and comments included, in one Python "
+            f"code block.\n\n```python\n{src}```")
+
+
+def summarise(i: int) -> str:
+    return (f"Summarise this passage in four sentences, reusing its own wording where you "
+            f"can (version {i}).\n\n{PASSAGE}")
+
+
+def chat(i: int) -> str:
+    return f"Write a short story about {TOPICS[i % len(TOPICS)]} (number {i})."
+
+
+WORKLOADS = {"code-edit": code_edit, "summarise": summarise, "chat": chat}
+
+
+def prompts(tok, workload: str, n: int, offset: int) -> list[list[int]]:
+    make = WORKLOADS[workload]
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": make(offset + i)}],
+                                               add_generation_prompt=True)) for i in range(n)]
+
+
+def make(parts, k: int | None, batch: int):
+    from paged_jax import LLM
+
+    spec = None if k is None else dict(method="ngram", num_speculative_tokens=k,
+                                       prompt_lookup_min=2, prompt_lookup_max=4)
+    return LLM(model_parts=parts, enable_prefix_caching=False, max_num_seqs=max(16, batch),
+               max_num_batched_tokens=512, max_model_len=2048, kv_cache_memory=1 << 30,
+               speculative_config=spec)
+
+
+def run(llm, ids: list[list[int]], tokens: int) -> dict:
+    from paged_jax import SamplingParams
+
+    sched = llm.llm_engine.scheduler
+    before = (sched.spec.num_drafts, sched.spec.num_draft_tokens, sched.spec.num_accepted_tokens)
+    sp = SamplingParams(temperature=0.0, max_tokens=tokens)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], sp, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    toks = [o.outputs[0].token_ids for o in outs]
+    after = (sched.spec.num_drafts, sched.spec.num_draft_tokens, sched.spec.num_accepted_tokens)
+    drafts, drafted, accepted = (b - a for a, b in zip(before, after, strict=True))
+    return dict(tok_s=sum(map(len, toks)) / seconds, tokens=toks, drafts=drafts,
+                draft_tokens=drafted, accepted=accepted)
+
+
+def cell(sides: dict, tok, workload: str, batch: int, rounds: int, tokens: int) -> dict:
+    """Every side on the same prompts, rotating the order each round."""
+    names = list(sides)
+    runs = {n: [] for n in names}
+    for r in range(rounds):
+        ids = prompts(tok, workload, batch, offset=r * batch)
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            runs[n].append(run(sides[n], ids, tokens))
+    plain = [x["tok_s"] for x in runs["plain"]]
+    out = {}
+    for n in names:
+        rs = runs[n]
+        tok_s = [x["tok_s"] for x in rs]
+        drafts, drafted, acc = (sum(x[f] for x in rs) for f in ("drafts", "draft_tokens",
+                                                                 "accepted"))
+        same = sum(a["tokens"] == b["tokens"] for a, b in zip(rs, runs["plain"], strict=True))
+        out[n] = dict(tok_s=statistics.median(tok_s), spread=common.spread(tok_s), runs=tok_s,
+                      vs_plain=common.compare(tok_s, plain), acceptance=acc / drafted
+                      if drafted else None, mean_acceptance_length=1 + acc / drafts
+                      if drafts else None, greedy_same_rounds=same, rounds=rounds,
+                      output_tokens=sum(len(t) for x in rs for t in x["tokens"]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--tokens", type=int, default=160)
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    a = ap.parse_args(argv)
+    from paged_jax.models import load_model
+
+    parts = load_model(a.model)
+    tok = parts[2]
+    mid = a.ks[len(a.ks) // 2]
+    results, sides = {}, {}
+    for batch in a.batches:
+        ks = a.ks if batch == 1 else [mid]
+        want = {"plain": None, **{f"ngram {k}": k for k in ks}}
+        sides = {n: sides.get(n) or make(parts, k, max(a.batches)) for n, k in want.items()}
+        for w in a.workloads:
+            # warm-up: the compiled programs a round meets (not timed)
+            for llm in sides.values():
+                run(llm, prompts(tok, w, batch, offset=10_000), a.tokens)
+            results[f"{w} batch {batch}"] = got = cell(sides, tok, w, batch, a.rounds,
+                                                       a.tokens)
+            print(f"{w} batch {batch}: " + ", ".join(
+                f"{n} {c['tok_s']:.1f} +- {c['spread']:.1f} tok/s ({c['vs_plain']['ratio']:.2f}x"
+                f" {c['vs_plain']['verdict']}, accepted {c['acceptance'] or 0:.2f}, "
+                f"same {c['greedy_same_rounds']}/{c['rounds']})" for n, c in got.items()),
+                flush=True)
+    payload = dict(model=a.model, rounds=a.rounds, tokens=a.tokens, batches=a.batches,
+                   ks=a.ks, cells=results, targets=targets(results))
+    for name, t in payload["targets"].items():
+        print(f"target {name}: {t}")
+    common.save_json("speculative", payload)
+    plot(results)
+    return payload
+
+
+def targets(results: dict) -> dict:
+    """Greedy identity everywhere; the issue's speed bar where its cell ran: the best k's
+    speedup must clear the bar by more than the spreads (bar x plain's runs)."""
+    out = {"greedy identical": dict(verdict="met" if all(
+        c["greedy_same_rounds"] == c["rounds"] for cells in results.values()
+        for c in cells.values()) else "not met")}
+    for name, bar in TARGETS.items():
+        cells = results.get(name)
+        if not cells:
+            continue
+        best = max((n for n in cells if n != "plain"), key=lambda n: cells[n]["tok_s"])
+        plain = cells["plain"]["runs"]
+        v = common.compare(cells[best]["runs"], [bar * x for x in plain])
+        out[f"ngram {name} >= {bar}x"] = dict(
+            side=best, speedup=cells[best]["tok_s"] / cells["plain"]["tok_s"],
+            verdict="met" if v["verdict"] == "higher" else
+            "not met" if v["verdict"] == "lower" else "not separable")
+    return out
+
+
+def plot(results: dict) -> None:
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4))
+    names = list(results)
+    sides = sorted({n for c in results.values() for n in c if n != "plain"})
+    width = 0.8 / max(1, len(sides))
+    for j, s in enumerate(sides):
+        xs = [i + j * width for i, n in enumerate(names) if s in results[n]]
+        ys = [results[n][s]["tok_s"] / results[n]["plain"]["tok_s"] for n in names
+              if s in results[n]]
+        ax.bar(xs, ys, width, label=s)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=30,
+                  ha="right", fontsize=8)
+    ax.set_ylabel("speedup over plain decoding")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    common.save_plot("speculative", fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Speculative decoding, host side: the config (vLLM's `speculative_config`) and the n-gram
+(prompt lookup) proposer.
+
+    schedule()  a decode-only plan: each eligible sequence gets up to k draft tokens, the
+                continuation of the latest earlier occurrence of its longest suffix n-gram
+                (prompt_lookup_max .. prompt_lookup_min tokens); its chunk becomes 1 + k
+    run_verify  engine/verify.py: the k + 1 tokens through the same ragged forward, each
+                position sampled as plain decoding would sample it, the longest agreeing
+                prefix kept, the rest rolled back (a shorter sequence in the page table)
+
+A row verifies by sampling every position with the key plain decoding would use there
+(fold_in(key, num_generated + j)) and keeping drafts while they equal those samples. Each
+emitted token is therefore exactly the token non-speculative decoding emits: greedy and seeded
+output are identical, and for a one-hot (n-gram) proposal the acceptance probability is the
+target's p(draft), the same as Leviathan et al.'s rejection sampling.
+
+Who speculates: sequences decoding one token, on a live slot, without penalties (their
+[V] counts would change inside the run), while the batch has fewer than
+`disable_by_batch_size` sequences; the rest decode as before in the same step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+METHODS = ("ngram",)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config keys that apply here.
+
+    Attributes:
+      method: "ngram" (prompt lookup).
+      num_speculative_tokens: k, the most draft tokens a sequence verifies per step.
+      prompt_lookup_min / prompt_lookup_max: n-gram lengths searched, longest first.
+      disable_by_batch_size: speculate only while fewer sequences than this decode (vLLM's
+        name); larger batches are bound by compute, where verifying rejected tokens costs.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS}, got "
+                             f"{self.method!r} (a draft model is not supported yet)")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in 1..16, got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be >= 1")
+
+    @classmethod
+    def of(cls, spec: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From vLLM's dict form (unknown keys and a draft `model` named in the error)."""
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            return spec
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+        spec = dict(spec)
+        if spec.get("model") is not None:
+            raise ValueError(f"speculative_config: draft model {spec['model']!r} is not "
+                             f"supported yet; use {{'method': 'ngram'}}")
+        spec.pop("model", None)
+        if "method" not in spec:
+            spec["method"] = "ngram"
+        known = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(spec) - known):
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known {sorted(known)}")
+        return cls(**spec)
+
+    @property
+    def k(self) -> int:
+        return self.num_speculative_tokens
+
+
+def ngram_propose(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
+    `tokens` of n_max .. n_min tokens (prompt lookup); [] when no suffix recurs."""
+    toks = np.asarray(tokens, dtype=np.int64)
+    size = toks.shape[0]
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        # windows starting at i < size - n: each is followed by at least one token
+        windows = np.lib.stride_tricks.sliding_window_view(toks[:-1], n)
+        hits = np.flatnonzero((windows == toks[size - n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return toks[start:start + k].tolist()
+    return []

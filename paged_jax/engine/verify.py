@@ -1,0 +1,160 @@
+"""The verify step of speculative decoding (engine/speculative.py proposes the drafts).
+
+Row r feeds its last sampled token and k_r drafts, t d1 .. dk, at positions L .. L + k_r:
+
+    run_verify(params, state, batch)
+      0. ops                 the host's queued allocator work (no admissions: drafts are only
+                             made in decode-only plans)
+      1-3. reserve, copy, forward: as a ragged step (step.reserve, step.forward_rows), every
+                             token's logits kept
+      4. sample every token  token j of row r as plain decoding samples it there: the row's
+                             parameters, num_generated + j (its key and min_tokens)
+      5. accept              drafts while d(j+1) == sample j; the row emits samples 0 .. a
+                             (a = drafts accepted), cut at the first stop (EOS, stop id,
+                             max_tokens) checked token by token as plain decoding would
+      6. roll back           the slot keeps L + emitted tokens; blocks wholly past the end
+                             are freed (page_table.truncate)
+      7. settle and report   as run_step; the output is a WindowOut with W = K + 1
+
+Rejected positions' K/V stay in the kept last block until later tokens overwrite them; no
+attention reads past a sequence's length, and only full blocks are ever cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from paged_jax.cache import page_table as pt
+from paged_jax.cache.kv_cache import copy_blocks
+from paged_jax.engine import settle
+from paged_jax.engine.state import EngineState, StepConfig
+from paged_jax.engine.step import StepBatch, StepShape, forward_rows, reserve
+from paged_jax.engine.window import WindowOut
+from paged_jax.models import Params
+from paged_jax.sample import sampler as smp
+from paged_jax.types import Array, Bool, Float, Int
+
+
+def _token_rows(batch: StepBatch) -> tuple[Int[Array, "T"], Int[Array, "T"]]:
+    """Each token's slot (-1 for padding) and j, its offset in its row."""
+    t = batch.token_ids.shape[0]
+    row = jnp.clip(batch.token_rows, 0)
+    slot = jnp.where(batch.token_rows >= 0, batch.row_slots[row], -1)
+    j = jnp.arange(t, dtype=jnp.int32) - batch.query_start[row]
+    return slot, j
+
+
+def _accepted(
+    tokens: Int[Array, "T"], batch: StepBatch, j: Int[Array, "T"]
+) -> Int[Array, "R"]:
+    """Per row, the tokens it may emit: the drafts that equal the sample before them, and
+    the sample after the last of those (1 for a row without drafts)."""
+    t, r = tokens.shape[0], batch.row_slots.shape[0]
+    rows = batch.token_rows
+    nxt_row = jnp.concatenate([rows[1:], jnp.full((1,), -1, rows.dtype)])
+    nxt_tok = jnp.concatenate([batch.token_ids[1:], jnp.zeros((1,), tokens.dtype)])
+    has_draft = (rows >= 0) & (nxt_row == rows)
+    stops = (rows >= 0) & (~has_draft | (tokens != nxt_tok))  # the row's last emitted token
+    first = jnp.full((r,), t, jnp.int32).at[jnp.where(rows >= 0, rows, r)].min(
+        jnp.where(stops, j, t), mode="drop")
+    return first + 1
+
+
+def _sample_all(
+    state: EngineState, logits: Float[Array, "T V"], batch: StepBatch, shape: StepShape
+) -> tuple[EngineState, WindowOut]:
+    """Steps 4-5: every token sampled, the accepted prefix of each row cut at its stop."""
+    flags, k1 = shape.flags, shape.verify
+    slot, j = _token_rows(batch)
+    # token j of a row is sampled as if the row's tokens before it were emitted
+    view = smp.rows_view(state.sampling, slot, flags.penalties, flags.bias)
+    view = dataclasses.replace(view, num_generated=view.num_generated + j)
+    res = smp.sample(logits, view, flags=flags)
+    active = batch.row_slots >= 0
+    emit = _accepted(res.tokens, batch, j)
+    t = logits.shape[0]
+    idx = jnp.clip(batch.query_start[:-1][None, :] + jnp.arange(k1)[:, None], 0, t - 1)
+    tokens = res.tokens[idx]  # [K1, R]
+    base = smp.rows_view(state.sampling, batch.row_slots, False)
+    sampling, done = state.sampling, jnp.zeros_like(active)
+    reason, valid = jnp.zeros(active.shape, jnp.int32), []
+    for i in range(k1):  # stops in order, as plain decoding meets them
+        v = active & (i < emit) & ~done
+        counted = dataclasses.replace(base, num_generated=base.num_generated + i + 1)
+        stop, why = smp.stop_mask(counted, tokens[i])
+        reason = jnp.where(v & stop, why, reason)
+        done |= v & stop
+        sampling = smp.update_rows(sampling, batch.row_slots, tokens[i], v, flags.penalties)
+        valid.append(v)
+    r = active.shape[0]
+    out = WindowOut(
+        tokens, res.logprobs[idx], res.top_ids[idx], res.top_logprobs[idx], jnp.stack(valid),
+        done, reason, jnp.asarray(1), jnp.asarray(True), state.pool.num_free,
+        jnp.zeros((r, 0), jnp.int32), jnp.zeros((0,), jnp.int32))
+    return dataclasses.replace(state, sampling=sampling), out
+
+
+def _roll_back(state: EngineState, batch: StepBatch, emitted: Int[Array, "R"]) -> EngineState:
+    """Step 6: each row's slot keeps its length before the step plus what it emitted."""
+    table = state.table
+    fed = batch.query_start[1:] - batch.query_start[:-1]
+    s = table.live.shape[0]
+    dest = jnp.where(batch.row_slots >= 0, batch.row_slots, s)
+    lens = table.seq_lens.at[dest].add(emitted - fed, mode="drop")
+    pool, table = pt.truncate(state.pool, table, lens)
+    return dataclasses.replace(state, pool=pool, table=table)
+
+
+def _empty(state: EngineState, rows: int, shape: StepShape) -> WindowOut:
+    k1, j = shape.verify, shape.flags.num_top_logprobs
+    zi, zb = jnp.zeros((k1, rows), jnp.int32), jnp.zeros((k1, rows), bool)
+    return WindowOut(zi, zi.astype(jnp.float32), jnp.zeros((k1, rows, j), jnp.int32),
+                     jnp.zeros((k1, rows, j), jnp.float32), zb, zb[0], zi[0], jnp.asarray(0),
+                     jnp.asarray(False), state.pool.num_free, jnp.zeros((rows, 0), jnp.int32),
+                     jnp.zeros((0,), jnp.int32))
+
+
+def verify_body(
+    params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, shape: StepShape
+) -> tuple[EngineState, WindowOut]:
+    """Steps 1-6 (unjitted). Not ok (the pool cannot cover it): nothing runs."""
+    pool, table, (src, dst), ok = reserve(state, batch, shape)
+
+    def go(_):
+        cache = copy_blocks(state.cache, src, dst) if shape.max_copies else state.cache
+        st = EngineState(pool, table, cache, state.sampling)
+        logits, cache, _, _ = forward_rows(params, st, batch, cfg, shape)
+        st, out = _sample_all(dataclasses.replace(st, cache=cache), logits, batch, shape)
+        return _roll_back(st, batch, out.valid.sum(axis=0, dtype=jnp.int32)), out
+
+    empty = _empty(state, batch.row_slots.shape[0], shape)
+    return jax.lax.cond(ok, go, lambda _: (state, empty), None)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "shape"), donate_argnames=("state",))
+def run_verify(
+    params: Params, state: EngineState, batch: StepBatch, *, cfg: StepConfig, shape: StepShape
+) -> tuple[EngineState, WindowOut]:
+    """One verify step (module docstring), the state donated.
+
+    Args:
+      params: model parameters (runtime form).
+      state: device state (donated).
+      batch: the rows' tokens (last sampled token, then its drafts) and the call's ops.
+      cfg: static engine config.
+      shape: static bounds; shape.verify = K + 1.
+
+    Returns:
+      (state', WindowOut with W = K + 1: row r's emitted tokens are tokens[:, r] where valid).
+    """
+    state = settle.apply_batch_ops(state, batch.ops)
+    old_lens = state.table.seq_lens
+    state, out = verify_body(params, state, batch, cfg, shape)
+    own = batch.own if batch.own is not None else jnp.zeros_like(batch.sample)
+    wrote: Bool[Array, "R"] = batch.query_start[1:] > batch.query_start[:-1]
+    return settle.settle_and_report(state, out, batch.row_slots, own, old_lens, cfg,
+                                    shape.full_width, wrote)
