@@ -167,7 +167,8 @@ class LLM:
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("decode_window", decode_window),
-                            ("tensor_parallel_size", tensor_parallel_size)):
+                            ("tensor_parallel_size", tensor_parallel_size),
+                            ("data_parallel_size", data_parallel_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         speculative = SpeculativeConfig.of(speculative_config)  # fails before loading
@@ -197,19 +198,14 @@ class LLM:
             quantization=quantization, max_logprobs=max_logprobs, seed=seed,
             enable_prefix_caching=enable_prefix_caching, swap_space=int(swap_space * (1 << 30)),
             kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size,
-            static_shapes=static_shapes,
-            async_scheduling=async_scheduling and speculative is None,
-            long_prefill_token_threshold=long_prefill_token_threshold, speculative=speculative)
-        if data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+            static_shapes=static_shapes, speculative=speculative,
+            async_scheduling=async_scheduling and speculative is None,  # drafts need sync
+            long_prefill_token_threshold=long_prefill_token_threshold)
         self.replicas = [Engine(config, params, tok, dataclasses.replace(
             self.engine_config, first_device=i * tensor_parallel_size))
             for i in range(data_parallel_size)]
-        self.llm_engine = self.replicas[0]
-        self.balancer = None
-        if data_parallel_size > 1:
-            self.balancer = Balancer(self.replicas, "least_tokens")
-        self._counter = 0
+        self.llm_engine, self._counter = self.replicas[0], 0
+        self.balancer = Balancer(self.replicas, "least_tokens") if data_parallel_size > 1 else None
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

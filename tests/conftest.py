@@ -76,6 +76,9 @@ SLOW_TESTS = {
     "test_hidden_states.py": {"test_hidden_state_survives_preemption",
                               "test_hidden_state_under_tensor_parallelism"},
     "test_kv_quant_engine.py": {"test_int8_reference_backend_gives_the_same_tokens"},
+    "test_speculative.py": {"test_sampled_distribution_matches_plain_decoding_chi_square",
+                            "test_seeded_sampling_stop_strings_and_max_tokens_are_identical",
+                            "test_preemption_in_the_middle_of_speculation"},
     "test_gpu_bench.py": {"test_engine_section_and_outputs",
                           "test_runs_with_only_jax_numpy_and_jaxtyping"},
 }

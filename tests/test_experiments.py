@@ -172,3 +172,20 @@ def test_weight_quantization_reports_every_side_and_target():
     for s in sides.values():
         assert s["batch 1"]["tok_s"] > 0 and 1 < s["perplexity"] < 1000
     assert all(isinstance(t["met"], bool) for t in data["targets"])
+
+
+def test_speculative_runs_every_side_on_the_same_tokens():
+    """SmolLM2, one round, batch 1 and 2: plain and n-gram sides with their acceptance,
+    greedy identity checked, the targets' verdicts, JSON and PNG."""
+    from experiments import speculative
+
+    data = speculative.main(["--model", "smollm2", "--batches", "1", "2", "--ks", "2", "3",
+                             "--tokens", "12", "--rounds", "1", "--workloads", "code-edit"])
+    cells = json.loads(open(data["json"]).read())["cells"]
+    assert set(cells) == {"code-edit batch 1", "code-edit batch 2"}
+    assert set(cells["code-edit batch 1"]) == {"plain", "ngram 2", "ngram 3"}
+    for cell in cells.values():
+        for side in cell.values():
+            assert side["tok_s"] > 0 and side["greedy_same_rounds"] == 1
+    assert data["targets"]["greedy identical"]["verdict"] == "met"
+    assert open(data["png"], "rb").read(4) == b"\x89PNG"

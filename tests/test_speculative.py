@@ -12,7 +12,7 @@ from paged_jax.cache import page_table as pt
 from paged_jax.cache import pool as pool_lib
 from paged_jax.cache.config import CacheConfig
 from paged_jax.engine import EngineConfig
-from paged_jax.engine import scheduler as scheduler_lib
+from paged_jax.engine import speculative as spec_lib
 from paged_jax.engine.speculative import SpeculativeConfig, ngram_propose
 from paged_jax.sampling_params import SamplingParams
 from tests.engine_helpers import BUCKETS, all_free, engine, run
@@ -109,9 +109,8 @@ def test_logprobs_of_accepted_tokens_match_plain_decoding():
     for rid in a:
         x, y = a[rid].outputs[0], b[rid].outputs[0]
         assert [sorted(e) for e in x.logprobs] == [sorted(e) for e in y.logprobs]
-        np.testing.assert_allclose([e[t].logprob for e, t in zip(x.logprobs, x.token_ids)],
-                                   [e[t].logprob for e, t in zip(y.logprobs, y.token_ids)],
-                                   atol=1e-4)
+        chosen = lambda o: [e[t].logprob for e, t in zip(o.logprobs, o.token_ids, strict=True)]  # noqa: E731
+        np.testing.assert_allclose(chosen(x), chosen(y), atol=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -172,7 +171,7 @@ def _samples(spec, seeds: range, position: int, monkeypatch) -> np.ndarray:
         greedy = run(engine(parts=parts, **BUCKETS, check=False), [("g", prompt, SamplingParams(
             temperature=0.0, max_tokens=position + 1, ignore_eos=True))])["g"]
         start, cont = len(greedy.prompt_token_ids), greedy.outputs[0].token_ids
-        monkeypatch.setattr(scheduler_lib, "ngram_propose",
+        monkeypatch.setattr(spec_lib, "ngram_propose",
                             lambda toks, k, *_: cont[len(toks) - start:][:k])
     reqs = [(str(s), prompt, SamplingParams(temperature=1.0, seed=s, max_tokens=position + 1,
                                            ignore_eos=True)) for s in seeds]

@@ -10,11 +10,11 @@ its work costs while the number of compiled programs stays small:
       rows R          with prefill chunks: S (every slot: one row bucket at any load);
                       decode-only (async scheduling's hot loop) and verify: power of two
                       from 1
-      tokens T        decode-only: R; verify (decodes with drafts): power of two of the
-                      tokens; with prefill chunks: 2^k or 3 * 2^(k-1) from 16 up
-                      to budget / 4, else the budget (a short prompt's step costs what its
-                      tokens cost, not a 128-token step: `experiments.weight_layout`; a
-                      41-token prompt pads to 48, not 64)
+      tokens T        decode-only: R; verify (decodes with drafts): 2^k or 3 * 2^(k-1)
+                      of the tokens (5 pad to 6, not 8); with prefill chunks: 2^k or
+                      3 * 2^(k-1) from 16 up to budget / 4, else the budget (a short
+                      prompt's step costs what its tokens cost, not a 128-token step:
+                      `experiments.weight_layout`; a 41-token prompt pads to 48, not 64)
       max_q           1 (decodes), T / 8 (every chunk short), or T
       max_q_rows      1, 4 or R rows with more than one token (they come first)
       admissions A    max_num_seqs entries (none in a decode-only step that admits nothing)
@@ -222,8 +222,8 @@ def _step_buckets(chunks: list[tuple[Sequence, int]], num_rows: int, ec,
     top = next_pow2(ec.max_num_batched_tokens)
     if ec.static_shapes:
         return ec.max_num_seqs, max(top, next_pow2(ec.max_num_seqs))
-    if verify:  # decodes and their drafts: every token is sampled, so pad little
-        return next_pow2(num_rows), next_pow2(sum(n for _, n in chunks))
+    if verify:  # decodes and their drafts: compute-bound on a CPU, so pad a third at most
+        return next_pow2(num_rows), next_half_octave(sum(n for _, n in chunks))
     if not any(n > 1 for _, n in chunks):  # decodes only: the window's buckets (from 1)
         r = next_pow2(num_rows)
         return r, r

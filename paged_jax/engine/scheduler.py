@@ -27,7 +27,8 @@ front of the queue, to be recomputed (default) or swapped back in. Nothing is lo
 
 A plan of decodes only runs as a decode window (several steps in one device call) unless
 something must join the batch first: a slot going live, an n > 1 request to fork, or a
-waiting request that fits.
+waiting request that fits. With speculative decoding (engine/speculative.py), a plan of
+decodes that admits nothing gets drafts instead and runs as one verify call.
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ from typing import TYPE_CHECKING
 
 from paged_jax.engine import admission
 from paged_jax.engine import output as out_lib
+from paged_jax.engine import speculative as spec_lib
 from paged_jax.engine.kv_manager import KVManager
 from paged_jax.engine.plan import Plan
 from paged_jax.engine.policy import Policy
 from paged_jax.engine.sequence import Request, Sequence, Status
-from paged_jax.engine.speculative import SpeculativeConfig, ngram_propose
+from paged_jax.engine.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
     from paged_jax.engine.runner import StepOutput
@@ -86,7 +88,7 @@ class Scheduler:
         self.skips: dict[str, int] = {}  # cache-aware admission: times passed over (waiting)
         self.num_preempted = 0
         self.refused_steps = 0  # steps the device refused for lack of blocks (a planning bug)
-        self.spec = SpecCounts()  # speculative decoding, this engine's totals
+        self.spec = spec_lib.SpecCounts()  # speculative decoding, this engine's totals
         self._orders = itertools.count()  # admission counters
         self._arrivals = itertools.count()  # sampling seeds of requests without their own
 
@@ -164,32 +166,11 @@ class Scheduler:
                     free, budget = free - need, budget - n
                     plan.chunks.append((seq, n))
         budget, free = self._admit(plan, budget, free)
-        self._speculate(plan, budget, free)
+        if self.config.speculative is not None:
+            spec_lib.add_drafts(plan, self.config.speculative, self.kv, budget, free)
         plan.window = self._window(plan)
         self._finish_plan(plan)
         return plan
-
-    def _speculate(self, plan: Plan, budget: int, free: int) -> None:
-        """Drafts for a decode-only plan that admits nothing (engine/speculative.py): each
-        sequence that may speculate verifies up to k drafts, within the budget, the free
-        blocks and its max_tokens (its last emitted token is always the target's own)."""
-        spec = self.config.speculative
-        if (spec is None or not plan.decode_only or plan.admitted or plan.deferred
-                or len(plan.chunks) >= spec.disable_by_batch_size
-                or not all(self.kv.slot_live[s.slot] for s, _ in plan.chunks)):
-            return
-        for i, (seq, _) in enumerate(plan.chunks):
-            room = min(spec.k, budget, seq.owner.params.max_tokens - len(seq.output_ids) - 1)
-            if room <= 0 or not _may_speculate(seq):
-                continue
-            drafts = ngram_propose(seq.tokens, room, spec.prompt_lookup_min,
-                                   spec.prompt_lookup_max)
-            extra = self.kv.blocks_needed(seq, 1 + len(drafts)) - self.kv.blocks_needed(seq, 1)
-            if not drafts or extra > free:
-                continue
-            free, budget = free - extra, budget - len(drafts)
-            plan.chunks[i] = (seq, 1 + len(drafts))
-            plan.drafts[id(seq)] = drafts
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of `seq` the step computes: what is pending, within the budget and, for a
@@ -397,29 +378,3 @@ class Scheduler:
                 self._drop(req)
         return list(dict.fromkeys(touched + [s.owner for s, _ in plan.chunks]))
 
-
-def _may_speculate(seq: Sequence) -> bool:
-    """Whether a decoding sequence may verify drafts: it has output (its prompt is done:
-    no prompt logprobs, hidden state or fork pending) and no penalties (their counts would
-    change inside the run)."""
-    p = seq.owner.params
-    return bool(seq.output_ids) and seq.num_pending == 1 and not seq.num_placeholders and (
-        p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-        and p.presence_penalty == 0.0)
-
-
-@dataclasses.dataclass
-class SpecCounts:
-    """Speculative decoding totals (vLLM's spec_decode metric names): verify rows with
-    drafts, draft tokens proposed, draft tokens accepted."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-    def count(self, req: Request, drafts: int, accepted: int) -> None:
-        """One row's verify result, into these totals and its request's metrics."""
-        for c in (self, req.metrics):
-            c.num_drafts += 1
-            c.num_draft_tokens += drafts
-            c.num_accepted_tokens += accepted

@@ -22,8 +22,14 @@ Who speculates: sequences decoding one token, on a live slot, without penalties 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from paged_jax.engine.kv_manager import KVManager
+    from paged_jax.engine.plan import Plan
+    from paged_jax.engine.sequence import Request, Sequence
 
 METHODS = ("ngram",)
 
@@ -96,3 +102,52 @@ def ngram_propose(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int
             start = int(hits[-1]) + n
             return toks[start:start + k].tolist()
     return []
+
+
+def add_drafts(plan: Plan, spec: SpeculativeConfig, kv: KVManager, budget: int,
+               free: int) -> None:
+    """Drafts for a decode-only plan that admits nothing (Scheduler.schedule): each sequence
+    that may speculate verifies up to k drafts, within the token `budget`, the `free` blocks
+    left and its max_tokens (its last emitted token is always the target's own)."""
+    if (not plan.decode_only or plan.admitted or plan.deferred
+            or len(plan.chunks) >= spec.disable_by_batch_size
+            or not all(kv.slot_live[s.slot] for s, _ in plan.chunks)):
+        return
+    for i, (seq, _) in enumerate(plan.chunks):
+        room = min(spec.k, budget, seq.owner.params.max_tokens - len(seq.output_ids) - 1)
+        if room <= 0 or not may_speculate(seq):
+            continue
+        drafts = ngram_propose(seq.tokens, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        extra = kv.blocks_needed(seq, 1 + len(drafts)) - kv.blocks_needed(seq, 1)
+        if not drafts or extra > free:
+            continue
+        free, budget = free - extra, budget - len(drafts)
+        plan.chunks[i] = (seq, 1 + len(drafts))
+        plan.drafts[id(seq)] = drafts
+
+
+def may_speculate(seq: Sequence) -> bool:
+    """Whether a decoding sequence may verify drafts: it has output (its prompt is done:
+    no prompt logprobs, hidden state or fork pending), one token pending, and no penalties
+    (their counts would change inside the run)."""
+    p = seq.owner.params
+    return bool(seq.output_ids) and seq.num_pending == 1 and not seq.num_placeholders and (
+        p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+        and p.presence_penalty == 0.0)
+
+
+@dataclasses.dataclass
+class SpecCounts:
+    """Speculative decoding totals (vLLM's spec_decode metric names): verify rows with
+    drafts, draft tokens proposed, draft tokens accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def count(self, req: Request, drafts: int, accepted: int) -> None:
+        """One row's verify result, into these totals and its request's metrics."""
+        for c in (self, req.metrics):
+            c.num_drafts += 1
+            c.num_draft_tokens += drafts
+            c.num_accepted_tokens += accepted

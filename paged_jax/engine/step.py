@@ -307,7 +307,7 @@ def _resolve(state: EngineState, batch: StepBatch) -> StepBatch:
         row_slots=jnp.where(alive, batch.row_slots, -1), sample=batch.sample & alive)
 
 
-def reserve(
+def _reserve(
     state: EngineState, batch: StepBatch, shape: StepShape
 ) -> tuple[pool_lib.BlockPool, pt.PageTable, tuple[Int[Array, "C"], Int[Array, "C"]],
            Bool[Array, ""]]:
@@ -323,24 +323,36 @@ def reserve(
     return pool, table, (src, dst), ok & fits
 
 
-def step_body(
-    params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, shape: StepShape
-) -> tuple[EngineState, StepOut]:
-    """One ragged step after its ops and admissions (unjitted; see `run_step`)."""
-    pool, table, (src, dst), ok = reserve(state, batch, shape)
+def forward_if_room(params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig,
+                    shape: StepShape, after, empty):
+    """Steps 1-3 (reserve, copy, forward), then `after(state', logits, prompt logprobs,
+    hidden)` -> (state'', out); when the pool cannot cover the step, (state, empty) with
+    nothing changed. Shared by `step_body` and the verify step (engine/verify.py)."""
+    pool, table, (src, dst), ok = _reserve(state, batch, shape)
 
     def go(_):
         cache = copy_blocks(state.cache, src, dst) if shape.max_copies else state.cache
         st = EngineState(pool, table, cache, state.sampling)
         logits, cache, prompt, hidden = forward_rows(params, st, batch, cfg, shape)
-        st, logits = _fork_children(dataclasses.replace(st, cache=cache), logits, batch)
+        return after(dataclasses.replace(st, cache=cache), logits, prompt, hidden)
+
+    return jax.lax.cond(ok, go, lambda _: (state, empty), None)
+
+
+def step_body(
+    params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, shape: StepShape
+) -> tuple[EngineState, StepOut]:
+    """One ragged step after its ops and admissions (unjitted; see `run_step`)."""
+
+    def after(st, logits, prompt, hidden):
+        st, logits = _fork_children(st, logits, batch)
         st, out = _sample(st, logits, batch.row_slots, batch.sample & (batch.row_slots >= 0),
                           shape.flags)
         return st, dataclasses.replace(out, prompt=prompt, hidden=hidden)
 
     rows, tokens = batch.row_slots.shape[0], batch.token_ids.shape[0]
     empty = _empty_out(state, rows, tokens, shape, cfg.model.hidden_size)
-    return jax.lax.cond(ok, go, lambda _: (state, empty), None)
+    return forward_if_room(params, state, batch, cfg, shape, after, empty)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "shape"), donate_argnames=("state",))

@@ -5,7 +5,7 @@ Row r feeds its last sampled token and k_r drafts, t d1 .. dk, at positions L ..
     run_verify(params, state, batch)
       0. ops                 the host's queued allocator work (no admissions: drafts are only
                              made in decode-only plans)
-      1-3. reserve, copy, forward: as a ragged step (step.reserve, step.forward_rows), every
+      1-3. reserve, copy, forward: as a ragged step (step.forward_if_room), every
                              token's logits kept
       4. sample every token  token j of row r as plain decoding samples it there: the row's
                              parameters, num_generated + j (its key and min_tokens)
@@ -29,10 +29,9 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax.cache import page_table as pt
-from paged_jax.cache.kv_cache import copy_blocks
 from paged_jax.engine import settle
 from paged_jax.engine.state import EngineState, StepConfig
-from paged_jax.engine.step import StepBatch, StepShape, forward_rows, reserve
+from paged_jax.engine.step import StepBatch, StepShape, forward_if_room
 from paged_jax.engine.window import WindowOut
 from paged_jax.models import Params
 from paged_jax.sample import sampler as smp
@@ -122,17 +121,13 @@ def verify_body(
     params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, shape: StepShape
 ) -> tuple[EngineState, WindowOut]:
     """Steps 1-6 (unjitted). Not ok (the pool cannot cover it): nothing runs."""
-    pool, table, (src, dst), ok = reserve(state, batch, shape)
 
-    def go(_):
-        cache = copy_blocks(state.cache, src, dst) if shape.max_copies else state.cache
-        st = EngineState(pool, table, cache, state.sampling)
-        logits, cache, _, _ = forward_rows(params, st, batch, cfg, shape)
-        st, out = _sample_all(dataclasses.replace(st, cache=cache), logits, batch, shape)
+    def after(st, logits, *_):
+        st, out = _sample_all(st, logits, batch, shape)
         return _roll_back(st, batch, out.valid.sum(axis=0, dtype=jnp.int32)), out
 
     empty = _empty(state, batch.row_slots.shape[0], shape)
-    return jax.lax.cond(ok, go, lambda _: (state, empty), None)
+    return forward_if_room(params, state, batch, cfg, shape, after, empty)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "shape"), donate_argnames=("state",))

@@ -69,7 +69,7 @@ class ServerMetrics:
             ("num_drafts", "Verify steps of a sequence with draft tokens"),
             ("num_draft_tokens", "Draft tokens proposed"),
             ("num_accepted_tokens", "Draft tokens accepted"))}
-        self._spec_seen = dict.fromkeys(self.spec, 0)
+        self._spec_seen: dict[str, dict[str, int]] = {}  # model -> totals at the last step
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests",
                                      **lab)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", **lab)
@@ -117,10 +117,11 @@ class ServerMetrics:
         n = engine.scheduler.num_preempted
         self.preemptions.labels(self.model).inc(n - self._preempted)
         self._preempted = n
+        seen = self._spec_seen.setdefault(self.model, dict.fromkeys(self.spec, 0))
         for name, counter in self.spec.items():
             total = getattr(engine.scheduler.spec, name)
-            counter.labels(self.model).inc(total - self._spec_seen[name])
-            self._spec_seen[name] = total
+            counter.labels(self.model).inc(total - seen[name])
+            seen[name] = total
         for out in outs:
             if out.finished:
                 self.finished(out)
