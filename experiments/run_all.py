@@ -26,6 +26,7 @@ from experiments import (
     scaling,
     shared_prefix,
     sliding_window_kv,
+    speculative,
     test_times,
     weight_layout,
     weight_quantization,
@@ -51,6 +52,7 @@ FULL = [
     (bench, dict(argv=[])),
     (async_scheduling, dict(argv=[])),
     (long_prompt, dict(argv=[])),
+    (speculative, dict(argv=[])),
     (bench_serving, dict(argv=["--requests", "32", "--rates", "1", "2", "inf", "--offline"]
                           + (["--vllm-python", str(VLLM)] if VLLM.exists() else []))),
     (test_times, dict(argv=[])),  # `make test` cold and warm, last: it runs the suite twice

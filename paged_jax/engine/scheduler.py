@@ -377,4 +377,3 @@ class Scheduler:
                 req.metrics.finished_time = time.time()
                 self._drop(req)
         return list(dict.fromkeys(touched + [s.owner for s, _ in plan.chunks]))
-
