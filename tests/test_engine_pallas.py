@@ -120,6 +120,7 @@ import jax
 from kernels import paged_attention, ragged_paged_attention
 from paged_jax.engine import batch as batch_lib
 from paged_jax.engine import step as step_lib
+from paged_jax.engine import verify as verify_lib
 from paged_jax.engine import window as window_lib
 from tests.test_engine_pallas import GREEDY, PROMPTS, SMALL, engine
 
@@ -139,6 +140,9 @@ for kv in ("auto", "fp8"):  # float pages, and fp8 bits with scales
         window_lib.decode_window.trace(eng.params, eng.state, jax.numpy.asarray(rows),
                                        jax.numpy.asarray(toks), batch.ops, cfg=cfg, window=4,
                                        shape=wshape),
+        # a verify step (speculative decoding) over the same batch: every token sampled
+        verify_lib.run_verify.trace(eng.params, eng.state, batch, cfg=cfg,
+                                    shape=dataclasses.replace(shape, verify=5)),
     ):
         text = low.lower(lowering_platforms=("cuda",)).as_text().lower()
         assert "triton" in text, "the kernels were not lowered to Triton"
@@ -147,9 +151,10 @@ print("lowered")
 
 
 def test_engine_steps_lower_for_cuda():
-    """A whole ragged step and a decode window, kernels included, lower for CUDA on CPU: the
-    Pallas -> Triton rules hold inside the engine's jitted programs (while_loop included).
-    In a fresh process: no interpret-mode traces cached, no run-time shape checker."""
+    """A whole ragged step, a decode window and a verify step, kernels included, lower for
+    CUDA on CPU: the Pallas -> Triton rules hold inside the engine's jitted programs
+    (while_loop included). In a fresh process: no interpret-mode traces cached, no run-time
+    shape checker."""
     import subprocess
     import sys
 
