@@ -14,6 +14,7 @@ from paged_jax.cache.config import CacheConfig
 from paged_jax.engine import EngineConfig
 from paged_jax.engine import speculative as spec_lib
 from paged_jax.engine.speculative import SpeculativeConfig, ngram_propose
+from paged_jax.engine.verify import run_verify
 from paged_jax.sampling_params import SamplingParams
 from tests.engine_helpers import BUCKETS, all_free, engine, run
 
@@ -82,6 +83,19 @@ def test_greedy_is_identical_and_drafts_are_accepted_and_rolled_back():
     kinds = {s.kind for s in eng.stats}
     assert "verify" in kinds
     assert all_free(eng)
+
+
+def test_the_same_work_again_compiles_no_verify_program():
+    """Verify buckets come from the rows' token counts (prefix caching off: hits would
+    change the prefill steps and the copy-on-write bound)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    eng = engine(**BUCKETS, speculative=SPEC, enable_prefix_caching=False)
+    first = run(eng, [(str(i), p, greedy) for i, p in enumerate(PROMPTS)])
+    before = run_verify._cache_size()
+    again = run(eng, [(f"again {i}", p, greedy) for i, p in enumerate(PROMPTS)])
+    assert run_verify._cache_size() == before
+    assert [again[f"again {i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == [
+        first[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))]
 
 
 def test_seeded_sampling_stop_strings_and_max_tokens_are_identical():
