@@ -63,13 +63,13 @@ def prompts(tok, workload: str, n: int, offset: int) -> list[list[int]]:
                                                add_generation_prompt=True)) for i in range(n)]
 
 
-def make(parts, k: int | None, batch: int):
+def make(parts, k: int | None, batch: int, kv_mib: int = 1024):
     from paged_jax import LLM
 
     spec = None if k is None else dict(method="ngram", num_speculative_tokens=k,
                                        prompt_lookup_min=2, prompt_lookup_max=4)
     return LLM(model_parts=parts, enable_prefix_caching=False, max_num_seqs=max(16, batch),
-               max_num_batched_tokens=512, max_model_len=2048, kv_cache_memory=1 << 30,
+               max_num_batched_tokens=512, max_model_len=2048, kv_cache_memory=kv_mib << 20,
                speculative_config=spec)
 
 
@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    ap.add_argument("--kv-mib", type=int, default=1024, help="each side's KV pool (MiB)")
     ap.add_argument("--retarget", metavar="JSON", default=None,
                     help="only recompute a saved run's targets from its cells (its "
                          "provenance kept; `retargeted` records this code's commit)")
@@ -136,7 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
     for batch in a.batches:
         ks = a.ks if batch == 1 else [mid]
         want = {"plain": None, **{f"ngram {k}": k for k in ks}}
-        sides = {n: sides.get(n) or make(parts, k, max(a.batches)) for n, k in want.items()}
+        sides = {n: sides.get(n) or make(parts, k, max(a.batches), a.kv_mib)
+                 for n, k in want.items()}
         for w in a.workloads:
             # warm-up: the compiled programs a round meets (not timed)
             for llm in sides.values():

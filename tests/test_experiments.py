@@ -180,7 +180,8 @@ def test_speculative_runs_every_side_on_the_same_tokens():
     from experiments import speculative
 
     data = speculative.main(["--model", "smollm2", "--batches", "1", "2", "--ks", "2", "3",
-                             "--tokens", "12", "--rounds", "1", "--workloads", "code-edit"])
+                             "--tokens", "12", "--rounds", "1", "--workloads", "code-edit",
+                             "--kv-mib", "64"])  # three engines at once: small pools
     cells = json.loads(open(data["json"]).read())["cells"]
     assert set(cells) == {"code-edit batch 1", "code-edit batch 2"}
     assert set(cells["code-edit batch 1"]) == {"plain", "ngram 2", "ngram 3"}
