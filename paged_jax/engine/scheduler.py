@@ -214,7 +214,7 @@ class Scheduler:
         """Speculative decoding applies to the plan's batch size: every step is planned
         (and may draft), none runs as a window."""
         spec = self.config.speculative
-        return spec is not None and len(plan.chunks) < spec.disable_by_batch_size
+        return spec is not None and spec.applies(len(plan.chunks))
 
     def _can_admit(self) -> bool:
         """Whether a waiting request could join now (then a window would delay it)."""
@@ -340,13 +340,13 @@ class Scheduler:
                 rows.append((seq, plan.starts.get(id(seq), 0), counts.get(id(seq), 0)))
                 continue
             seq.num_placeholders -= id(seq) in plan.samples and out.kind != "window"
-            used, done = out_lib.emit(seq, out, i, int(out.valid[:, i].sum()), self.tokenizer)
+            emitted = int(out.valid[:, i].sum())
+            used, done = out_lib.emit(seq, out, i, emitted, self.tokenizer)
             start = plan.starts.get(id(seq), seq.num_computed)
             if out.kind == "window" or id(seq) in plan.drafts:
                 self.kv.advance([(seq, used)])
             if id(seq) in plan.drafts:
-                self.spec.count(seq.owner, len(plan.drafts[id(seq)]),
-                                int(out.valid[:, i].sum()) - 1)
+                self.spec.count(seq.owner, len(plan.drafts[id(seq)]), emitted - 1)
             rows.append((seq, start, seq.num_computed - start))
             if done:
                 finished.append(seq)

@@ -84,6 +84,10 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown keys {unknown}; known {sorted(known)}")
         return cls(**spec)
 
+    def applies(self, batch: int) -> bool:
+        """Whether a batch of this many decoding sequences speculates."""
+        return batch < self.disable_by_batch_size
+
     @property
     def k(self) -> int:
         return self.num_speculative_tokens
@@ -110,7 +114,7 @@ def add_drafts(plan: Plan, spec: SpeculativeConfig, kv: KVManager, budget: int,
     that may speculate verifies up to k drafts, within the token `budget`, the `free` blocks
     left and its max_tokens (its last emitted token is always the target's own)."""
     if (not plan.decode_only or plan.admitted or plan.deferred
-            or len(plan.chunks) >= spec.disable_by_batch_size
+            or not spec.applies(len(plan.chunks))
             or not all(kv.slot_live[s.slot] for s, _ in plan.chunks)):
         return
     for i, (seq, _) in enumerate(plan.chunks):

@@ -32,7 +32,7 @@ from paged_jax.cache import page_table as pt
 from paged_jax.engine import settle
 from paged_jax.engine.state import EngineState, StepConfig
 from paged_jax.engine.step import StepBatch, StepShape, forward_if_room
-from paged_jax.engine.window import WindowOut
+from paged_jax.engine.window import WindowOut, empty_window
 from paged_jax.models import Params
 from paged_jax.sample import sampler as smp
 from paged_jax.types import Array, Bool, Float, Int
@@ -108,15 +108,6 @@ def _roll_back(state: EngineState, batch: StepBatch, emitted: Int[Array, "R"]) -
     return dataclasses.replace(state, pool=pool, table=table)
 
 
-def _empty(state: EngineState, rows: int, shape: StepShape) -> WindowOut:
-    k1, j = shape.verify, shape.flags.num_top_logprobs
-    zi, zb = jnp.zeros((k1, rows), jnp.int32), jnp.zeros((k1, rows), bool)
-    return WindowOut(zi, zi.astype(jnp.float32), jnp.zeros((k1, rows, j), jnp.int32),
-                     jnp.zeros((k1, rows, j), jnp.float32), zb, zb[0], zi[0], jnp.asarray(0),
-                     jnp.asarray(False), state.pool.num_free, jnp.zeros((rows, 0), jnp.int32),
-                     jnp.zeros((0,), jnp.int32))
-
-
 def verify_body(
     params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, shape: StepShape
 ) -> tuple[EngineState, WindowOut]:
@@ -126,7 +117,8 @@ def verify_body(
         st, out = _sample_all(st, logits, batch, shape)
         return _roll_back(st, batch, out.valid.sum(axis=0, dtype=jnp.int32)), out
 
-    empty = _empty(state, batch.row_slots.shape[0], shape)
+    empty = empty_window(shape.verify, batch.row_slots.shape[0],
+                         shape.flags.num_top_logprobs, False, state.pool.num_free)
     return forward_if_room(params, state, batch, cfg, shape, after, empty)
 
 

@@ -59,6 +59,15 @@ class WindowOut:
     wire: Int[Array, "B"] | None = None  # every field above, packed (engine/wire.py)
 
 
+def empty_window(w: int, r: int, j: int, ok: bool, num_free: Int[Array, ""]) -> WindowOut:
+    """A WindowOut of W x R rows with nothing emitted (a window's start; a refused verify)."""
+    zi = jnp.zeros((w, r), jnp.int32)
+    return WindowOut(zi, zi.astype(jnp.float32), jnp.zeros((w, r, j), jnp.int32),
+                     jnp.zeros((w, r, j), jnp.float32), zi.astype(bool), zi[0].astype(bool),
+                     zi[0], jnp.asarray(0), jnp.asarray(ok), num_free,
+                     jnp.zeros((r, 0), jnp.int32), jnp.zeros((0,), jnp.int32))
+
+
 @functools.partial(
     jax.jit, static_argnames=("cfg", "window", "shape"), donate_argnames=("state",))
 def decode_window(
@@ -86,12 +95,7 @@ def decode_window(
     state = apply_batch_ops(state, ops)
     old_lens = state.table.seq_lens
     r, j = row_slots.shape[0], shape.flags.num_top_logprobs
-    out0 = WindowOut(
-        jnp.zeros((window, r), jnp.int32), jnp.zeros((window, r), jnp.float32),
-        jnp.zeros((window, r, j), jnp.int32), jnp.zeros((window, r, j), jnp.float32),
-        jnp.zeros((window, r), bool), jnp.zeros((r,), bool), jnp.zeros((r,), jnp.int32),
-        jnp.asarray(0), jnp.asarray(True), state.pool.num_free, jnp.zeros((r, 0), jnp.int32),
-        jnp.zeros((0,), jnp.int32))
+    out0 = empty_window(window, r, j, True, state.pool.num_free)
 
     def cond(c):
         _, _, act, out = c
