@@ -89,12 +89,13 @@ def run(llm, ids: list[list[int]], tokens: int) -> dict:
                 draft_tokens=drafted, accepted=accepted)
 
 
-def cell(sides: dict, tok, workload: str, batch: int, rounds: int, tokens: int) -> dict:
-    """Every side on the same prompts, rotating the order each round."""
+def cell(sides: dict, tok, workload: str, batch: int, rounds: int, tokens: int,
+         offset: int = 0) -> dict:
+    """Every side on the same prompts (from `offset` on), rotating the order each round."""
     names = list(sides)
     runs = {n: [] for n in names}
     for r in range(rounds):
-        ids = prompts(tok, workload, batch, offset=r * batch)
+        ids = prompts(tok, workload, batch, offset=offset + r * batch)
         for n in names[r % len(names):] + names[:r % len(names)]:
             runs[n].append(run(sides[n], ids, tokens))
     plain = [x["tok_s"] for x in runs["plain"]]
@@ -203,7 +204,9 @@ def retarget(path: str) -> dict:
     return data
 
 
-def plot(results: dict):
+def plot(results: dict, name: str = "speculative",
+         ylabel: str = "speedup over plain decoding"):
+    """Each side's speedup over plain, per cell: results/<name>.png."""
     plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(9, 4))
     names = list(results)
@@ -217,9 +220,9 @@ def plot(results: dict):
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=30,
                   ha="right", fontsize=8)
-    ax.set_ylabel("speedup over plain decoding")
+    ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
-    return common.save_plot("speculative", fig)
+    return common.save_plot(name, fig)
 
 
 if __name__ == "__main__":

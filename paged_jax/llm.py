@@ -93,6 +93,30 @@ def _bar_off(use_tqdm: bool) -> bool | None:
     return None if tqdm is std_tqdm else False
 
 
+def block_bytes(config, draft: tuple | None, tp: int, block_size: int, kv_dtype) -> int:
+    """One block's bytes on one device: the model's K/V pages, and a draft model's beside
+    them (engine/draft.py)."""
+    heads = parallel.layout(config, tp).num_kv_heads
+    size = kv_cache_bytes(config.num_layers, heads, block_size, config.head_dim, kv_dtype)
+    if draft is not None:
+        d = draft[0]
+        size += kv_cache_bytes(d.num_layers, d.num_kv_heads, block_size, d.head_dim, kv_dtype)
+    return size
+
+
+def load_draft(spec: SpeculativeConfig | None, parts, tok, dtype) -> tuple | None:
+    """The draft model's (config, params) when speculative decoding asks for one (loaded
+    unless `parts` are given); its tokenizer must encode as the model's does."""
+    if spec is None or not spec.draft_model:
+        return None
+    config, params, dtok = parts or load_model(spec.model, dtype)
+    probe = "def f(x):\n    return x * 2  # Hello, world! 123 \u00e9\u4e2d"
+    if tok is not None and dtok is not None and tok.encode(probe) != dtok.encode(probe):
+        raise ValueError(f"draft model {spec.model!r} tokenizes differently from the model: "
+                         "its drafts would not be the same tokens")
+    return config, params
+
+
 class LLM:
     """An offline engine for one model, with vLLM's constructor arguments and methods.
 
@@ -143,9 +167,14 @@ class LLM:
         a long prompt prefills beside running decodes.
       speculative_config: speculative decoding, vLLM's dict: {"method": "ngram",
         "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}
-        (engine/speculative.py); turns async_scheduling off (drafts continue the tokens of
-        the step before). Same tokens as without it.
+        (engine/speculative.py), or {"model": path or short name, "num_speculative_tokens":
+        k}: a draft model over the same vocabulary (engine/draft.py; its K/V share the
+        pool's blocks and kv_cache_memory). Turns async_scheduling off (drafts continue the
+        tokens of the step before). Greedy output is plain decoding's; sampled output has
+        the target's distribution (rejection sampling).
       model_parts: (config, params, tokenizer) to use instead of loading `model`.
+      draft_model_parts: (config, params, tokenizer) of the draft model instead of loading
+        speculative_config's `model`.
     """
 
     def __init__(
@@ -160,7 +189,7 @@ class LLM:
         kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
         data_parallel_size: int = 1, static_shapes: bool = False,
         async_scheduling: bool = True, long_prefill_token_threshold: int = 0,
-        speculative_config: dict | None = None, **unsupported,
+        speculative_config: dict | None = None, draft_model_parts=None, **unsupported,
     ):
         if unsupported:
             raise TypeError(f"LLM() got unsupported arguments: {sorted(unsupported)}")
@@ -178,6 +207,7 @@ class LLM:
         config, params, tok = model_parts or load_model(model, DTYPES[dtype])
         if tokenizer is not None:
             tok = own_tokenizer(tokenizer, config)
+        draft = load_draft(speculative, draft_model_parts, tok, DTYPES[dtype])
         self.load_time = time.perf_counter() - t0
         if gpu_memory_utilization is not None:
             kv_cache_memory = memory_for_kv(gpu_memory_utilization, params)
@@ -186,10 +216,8 @@ class LLM:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={config.max_position_embeddings}")
         if num_kv_blocks is None:  # kv_cache_memory is per device: what one device holds
-            heads = parallel.layout(config, tensor_parallel_size).num_kv_heads
-            per_block = kv_cache_bytes(config.num_layers, heads, block_size,
-                                       config.head_dim, kv_dtype)
-            num_kv_blocks = max(2, kv_cache_memory // per_block)
+            num_kv_blocks = max(2, kv_cache_memory // block_bytes(
+                config, draft, tensor_parallel_size, block_size, kv_dtype))
         self.engine_config = EngineConfig(
             block_size=block_size, num_kv_blocks=int(num_kv_blocks), max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -202,7 +230,7 @@ class LLM:
             async_scheduling=async_scheduling and speculative is None,  # drafts need sync
             long_prefill_token_threshold=long_prefill_token_threshold)
         self.replicas = [Engine(config, params, tok, dataclasses.replace(
-            self.engine_config, first_device=i * tensor_parallel_size))
+            self.engine_config, first_device=i * tensor_parallel_size), draft=draft)
             for i in range(data_parallel_size)]
         self.llm_engine, self._counter = self.replicas[0], 0
         self.balancer = Balancer(self.replicas, "least_tokens") if data_parallel_size > 1 else None

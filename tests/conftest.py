@@ -25,7 +25,8 @@ from jaxtyping import install_import_hook  # noqa: E402
 CHECKED = [
     "paged_jax.cache.pool", "paged_jax.cache.page_table", "paged_jax.cache.kv_cache",
     "paged_jax.models", "paged_jax.sample", "paged_jax.engine.step", "paged_jax.engine.window",
-    "paged_jax.engine.settle", "paged_jax.engine.state",
+    "paged_jax.engine.settle", "paged_jax.engine.state", "paged_jax.engine.step_types",
+    "paged_jax.engine.draft",
     "kernels",
 ]
 install_import_hook(CHECKED, "beartype.beartype")

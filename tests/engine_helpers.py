@@ -27,16 +27,17 @@ def model():
     return c, random_params(c), byte_tokenizer()
 
 
-def engine(parts=None, policy=None, check: bool = CHECK, **overrides) -> Engine:
+def engine(parts=None, policy=None, check: bool = CHECK, draft=None, **overrides) -> Engine:
     """An engine with BASE's config (and `overrides`) on `parts` (default: the tiny Llama).
 
     It checks its KV manager's host mirror against the device after every step (Engine's
     `check`), and runs under `policy` (default: on-demand paging; a name from
-    study/reservation.py's POLICIES picks a baseline)."""
+    study/reservation.py's POLICIES picks a baseline), with speculative decoding's `draft`
+    model (config, params) if given."""
     ec = EngineConfig(**{**BASE, **overrides})
     if isinstance(policy, str):
         policy = policy_for(policy, ec)
-    return Engine(*(parts or model()), ec, policy=policy, check=check)
+    return Engine(*(parts or model()), ec, policy=policy, check=check, draft=draft)
 
 
 def prompts(n: int) -> list[str]:

@@ -1,6 +1,8 @@
 """vLLM's LLM arguments beyond the engine's: tokenizer, swap_space, gpu_memory_utilization,
-chat(chat_template=...), on the tiny random model."""
+chat(chat_template=...), on the tiny random model; engines on one loaded model share its
+weights."""
 
+import jax
 import pytest
 
 from paged_jax.llm import LLM
@@ -56,3 +58,21 @@ def test_a_malformed_chat_names_the_message(msgs, match):
 def test_a_zero_size_names_the_field(field):
     with pytest.raises(ValueError, match=f"{field} must be a positive integer, got 0"):
         LLM(model_parts=model(), **{**SMALL, field: 0})
+
+
+def test_engines_on_the_same_loaded_model_share_one_copy_of_its_weights():
+    """Two LLMs built from the same parts (an experiment's sides) hold one laid-out copy;
+    other parts, or another layout, get their own; each still decodes as before."""
+    from paged_jax.models.testing import random_params, tiny_config
+
+    parts = model()
+    a, b = LLM(model_parts=parts, **SMALL), LLM(model_parts=parts, **SMALL)
+    leaf = lambda llm: jax.tree.leaves(llm.llm_engine.params)[0]  # noqa: E731
+    assert leaf(a) is leaf(b)
+    c = tiny_config()
+    other = LLM(model_parts=(c, random_params(c), parts[2]), **SMALL)
+    assert leaf(other) is not leaf(a)
+    assert leaf(LLM(model_parts=parts, matmul_backend="xla", **SMALL)) is not leaf(a)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert a.generate(["abc"], sp, use_tqdm=False)[0].outputs[0].token_ids == b.generate(
+        ["abc"], sp, use_tqdm=False)[0].outputs[0].token_ids

@@ -18,6 +18,8 @@ its work costs while the number of compiled programs stays small:
       max_q           1 (decodes), T / 8 (every chunk short), or T
       max_q_rows      1, 4 or R rows with more than one token (they come first)
       admissions A    max_num_seqs entries (none in a decode-only step that admits nothing)
+    verify with a draft model: its catch-up tokens C a half octave of theirs, its max_q the
+      next power of two of the longest row's
     both:
       pages           only for attention backends whose cost follows a page bucket (the jnp
                       reference, Pallas): max_pages = next power of two of the longest row's
@@ -43,6 +45,7 @@ import jax
 import numpy as np
 
 from paged_jax.cache.ops import KVOps, no_ops
+from paged_jax.engine.draft import DraftBatch
 from paged_jax.engine.kv_manager import copies_on_write
 from paged_jax.engine.plan import Admit, Plan
 from paged_jax.engine.sequence import Sequence
@@ -77,6 +80,7 @@ class Call:
       batch: the step's batch ("step", "verify").
       window: (row_slots [R], tokens [R]) of a decode window ("window").
       forks: (parent, children) pairs the step forks (n > 1 requests finishing their prompt).
+      draft: a verify call's draft-model catch-up (engine/draft.py), None without one.
     """
 
     kind: str
@@ -86,6 +90,7 @@ class Call:
     batch: StepBatch | None = None
     window: tuple[jax.Array, jax.Array] | None = None
     forks: list[tuple[Sequence, list[Sequence]]] = dataclasses.field(default_factory=list)
+    draft: DraftBatch | None = None
 
 
 def build(plan: Plan, ec, eos_ids: list[int], vocab_size: int, backend: str) -> Call:
@@ -97,16 +102,40 @@ def build(plan: Plan, ec, eos_ids: list[int], vocab_size: int, backend: str) -> 
         row_slots, tokens, shape, rows = build_window(plan, ec, backend)
         return Call("window", rows, ops, shape, window=(row_slots, tokens))
     batch, shape, forks, rows = build_step(plan, ec, eos_ids, vocab_size, backend)
-    if plan.drafts:  # speculative decoding (engine/verify.py): decodes only, no admissions
+    if plan.drafts or plan.catchup:  # speculative decoding (engine/verify.py): decodes only
         shape = dataclasses.replace(shape, verify=ec.speculative.k + 1)
         own = np.arange(batch.row_slots.shape[0]) < len(rows)
-        return Call("verify", rows, ops, shape, dataclasses.replace(batch, ops=ops, own=own))
+        draft = None
+        if ec.speculative.draft_model:
+            draft, q = build_draft(plan, rows, batch.row_slots.shape[0])
+            shape = dataclasses.replace(shape, draft_q=q)
+        return Call("verify", rows, ops, shape, dataclasses.replace(batch, ops=ops, own=own),
+                    draft=draft)
     if plan.flags is not None:
         shape = dataclasses.replace(shape, flags=plan.flags)
     own = np.zeros(batch.row_slots.shape[0], bool)
     own[:len(rows)] = plan.owned  # padding rows own nothing
     return Call("step", rows, ops, shape, dataclasses.replace(batch, ops=ops, own=own),
                 forks=forks)
+
+
+def build_draft(plan: Plan, rows: list[Sequence], r: int) -> tuple[DraftBatch, int]:
+    """A verify call's draft-model catch-up over its R rows, and its max_q bucket: tokens
+    padded to a half octave (1-2 per row once sequences speculate), rows to R."""
+    spans = [plan.catchup.get(id(s), (0, 0)) for s in rows]
+    c = next_half_octave(max(1, sum(n for _, n in spans)))
+    tok, pos, rows_of = np.zeros(c, np.int32), np.zeros(c, np.int32), np.full(c, -1, np.int32)
+    qs, lens, num = np.zeros(r + 1, np.int32), np.zeros(r, np.int32), np.zeros(r, np.int32)
+    o = 0
+    for i, (seq, (first, n)) in enumerate(zip(rows, spans, strict=True)):
+        tok[o:o + n], pos[o:o + n] = seq.tokens[first:first + n], np.arange(first, first + n)
+        rows_of[o:o + n], lens[i] = i, first + n if n else 0
+        num[i] = len(plan.drafts.get(id(seq), ()))
+        o += n
+        qs[i + 1] = o
+    qs[len(rows) + 1:] = o
+    return (DraftBatch(tok, pos, rows_of, seq_lens=lens, num_drafts=num, query_start=qs),
+            next_pow2(max(n for _, n in spans)))
 
 
 def build_ops(ops: dict[str, np.ndarray] | None, ec) -> KVOps:

@@ -40,6 +40,7 @@ from paged_jax.engine.policy import Policy
 from paged_jax.engine.runner import Pending, Runner, StepOutput
 from paged_jax.engine.scheduler import Scheduler, SchedulerConfig
 from paged_jax.engine.sequence import Request, Sequence
+from paged_jax.engine.speculative import check_draft
 from paged_jax.models import ModelConfig, Params
 from paged_jax.outputs import RequestOutput
 from paged_jax.sample.sampler import SampleFlags
@@ -84,14 +85,17 @@ class Engine:
         paged_jax/study/reservation.py).
       check: after every step, assert the KV manager's host mirror equals the device
         (a device -> host read per step: for tests).
+      draft: the draft model (config, parameters) of speculative_config method
+        "draft_model" (engine/draft.py); it must share the model's vocabulary.
     """
 
     def __init__(self, config: ModelConfig, params: Params, tokenizer: Tokenizer | None,
                  engine_config: EngineConfig, policy: Policy | None = None,
-                 check: bool = False):
+                 check: bool = False, draft: tuple[ModelConfig, Params] | None = None):
         self.model_config, self.tokenizer, self.config = config, tokenizer, engine_config
         ec, self.check = engine_config, check
-        self.runner = Runner(config, params, ec)
+        check_draft(ec, config, draft)
+        self.runner = Runner(config, params, ec, draft)
         self.kv = KVManager(ec.cache, self.runner.block_bytes, self.runner,
                             prefix_caching=ec.enable_prefix_caching,
                             swap=ec.preemption_mode == "swap", swap_space=ec.swap_space)

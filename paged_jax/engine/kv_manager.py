@@ -9,7 +9,8 @@ them is written here and nowhere else:
     slot_live      rows live on the device once the next call's ops and admissions apply
     prefix         the prefix cache: hashes of full blocks, LRU queue of cached-free blocks
     queued ops     allocator work for the next call: releases, evictions, forks
-    on a Sequence  slot, num_computed, maybe_shared_last, swapped, prefix_hit, block_hashes
+    on a Sequence  slot, num_computed, draft_computed, maybe_shared_last, swapped,
+                   prefix_hit, block_hashes
     swapped_bytes  host memory held by swapped-out K/V
 
 No device -> host read happens for bookkeeping. The device settles what it decides itself
@@ -37,10 +38,9 @@ from typing import Protocol
 import numpy as np
 
 from paged_jax.cache.config import CacheConfig
-from paged_jax.cache.invariants import InvariantError, check_invariants
 from paged_jax.cache.ops import no_ops
 from paged_jax.cache.prefix_cache import Hit, PrefixCache
-from paged_jax.engine.mirror import Mirror, mirror_errors
+from paged_jax.engine.mirror import check_manager
 from paged_jax.engine.plan import Admit, Sent
 from paged_jax.engine.sequence import Request, Sequence
 from paged_jax.sizes import cdiv
@@ -216,6 +216,7 @@ class KVManager:
             if self.slot_live[seq.slot]:
                 continue
             self.slot_live[seq.slot] = True
+            seq.draft_computed = 0 if seq.swapped is not None else seq.num_computed  # draft.py
             if seq.swapped is not None:
                 restores.append((seq.slot, seq.num_computed, seq.swapped))
                 self.swapped_bytes -= sum(x.nbytes for x in seq.swapped)
@@ -244,6 +245,7 @@ class KVManager:
         parent.maybe_shared_last |= shared
         for c in children:
             c.num_computed, c.maybe_shared_last = parent.num_computed, shared
+            c.draft_computed = parent.draft_computed
             self.slot_live[c.slot] = True
 
     def take_ops(self) -> tuple[dict[str, np.ndarray] | None, Sent]:
@@ -272,13 +274,22 @@ class KVManager:
         """Whether a sent call's output is still unread."""
         return bool(self._outstanding)
 
-    def advance(self, chunks: list[tuple[Sequence, int]]) -> None:
+    def advance(self, chunks: list[tuple[Sequence, int]], draft: bool = False) -> None:
         """Counts a sent step's tokens as computed (its output may come a step later); a
-        sequence that writes owns its last block after the step."""
+        writer owns its last block after it. `draft`: a draft model read them too (draft.py)."""
         for seq, n in chunks:
+            if draft and seq.draft_computed == seq.num_computed:
+                seq.draft_computed += n
             seq.num_computed += n
             if n:
                 seq.maybe_shared_last = False
+
+    @staticmethod
+    def advance_draft(seq: Sequence, catchup: tuple[int, int], drafts: int, start: int) -> None:
+        """After a verify call with a draft model (engine/draft.py): the draft read its
+        catch-up; if it drafted, it also holds drafts 1 .. drafts - 1 that were kept."""
+        first, n = catchup
+        seq.draft_computed = min(seq.num_computed, start + drafts) if drafts else first + n
 
     # ---- after a call --------------------------------------------------------------------
     def update_from_output(self, rows: list[tuple[Sequence, int, int]], out, sent: Sent,
@@ -386,14 +397,4 @@ class KVManager:
         return self.device.read_blocks(seq.slot, cdiv(seq.num_computed, self.config.block_size))
 
     def check(self) -> None:
-        """Asserts this host mirror equals the device: free count, live slots, lengths,
-        cached and evictable blocks, and the allocator invariants (reads the device; tests
-        call it after every step, with no call in flight)."""
-        if self._outstanding:
-            raise InvariantError("a call's output is unread: the mirror is not exact yet")
-        pool, table = self.device.snapshot()
-        check_invariants(pool, table)
-        mirror = Mirror(self.num_free, self.slot_live, self.owners, self.prefix, self._release,
-                        self._forks, self._evict, self._unmark)
-        if errors := mirror_errors(mirror, pool, table):
-            raise InvariantError("host mirror != device: " + "; ".join(errors))
+        check_manager(self)  # this host mirror equals the device (engine/mirror.py)

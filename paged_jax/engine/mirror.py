@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from paged_jax.cache.invariants import InvariantError, check_invariants
+
 if TYPE_CHECKING:
     from paged_jax.cache.page_table import PageTable
     from paged_jax.cache.pool import BlockPool
@@ -56,3 +58,17 @@ def mirror_errors(kv: Mirror, pool: BlockPool, table: PageTable) -> list[str]:
             errors.append(f"evictable: host {sorted(kv.prefix.evictable)} + queued "
                           f"{kv.evict}, device {sorted(idle)}")
     return errors
+
+
+def check_manager(kv) -> None:
+    """Asserts a KV manager's host mirror equals the device: free count, live slots, lengths,
+    cached and evictable blocks, and the allocator invariants (reads the device; tests call
+    it after every step, with no call in flight)."""
+    if kv._outstanding:
+        raise InvariantError("a call's output is unread: the mirror is not exact yet")
+    pool, table = kv.device.snapshot()
+    check_invariants(pool, table)
+    mirror = Mirror(kv.num_free, kv.slot_live, kv.owners, kv.prefix, kv._release, kv._forks,
+                    kv._evict, kv._unmark)
+    if errors := mirror_errors(mirror, pool, table):
+        raise InvariantError("host mirror != device: " + "; ".join(errors))

@@ -6,6 +6,7 @@
     Plan.restores  swapped-out sequences coming back (swap preemption mode only)
     Plan.window    run the decodes as a decode window (several steps in one call)
     Plan.drafts    speculative decoding: draft tokens a row verifies (a verify call)
+    Plan.catchup   ... with a draft model: the tokens it reads first, per row
 
 A plan with no chunks but with ops is an ops-only call (an engine going idle, or a step
 whose sequences all wait for blocks a pending release gives back).
@@ -64,6 +65,8 @@ class Plan:
     window: bool = False  # run as a decode window (decodes only, nothing joins)
     # id(seq) -> its draft tokens (engine/speculative.py); its chunk is 1 + len(drafts)
     drafts: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    # id(seq) -> (draft_computed, tokens) the draft model reads first (engine/draft.py)
+    catchup: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     flags: SampleFlags | None = None  # sampler features, if not the rows' own (beam search)
     owned: bool = True  # the device settles the rows (step.settle); not beam search's
     deferred: int = 0  # sequences that wait for blocks a pending release gives back

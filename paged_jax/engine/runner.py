@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -145,6 +146,33 @@ def matmul_backend(requested: str | None, dtype) -> str:
     return "cpu" if built else "xla"
 
 
+class Weights:
+    """Laid-out parameters, held by the runners that use them (weakly by `_LAID_OUT`)."""
+
+    def __init__(self, params: Params):
+        self.params = params
+
+
+_LAID_OUT: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def shared_weights(params: Params, key: tuple, build) -> Weights:
+    """`build()`'s laid-out parameters, built once for the same checkpoint arrays and `key`
+    (layout, device) while some runner holds them: engines beside each other on one loaded
+    model (an experiment's sides, a draft model's several configs) share one copy of the
+    weights, which no call ever writes (a second fp32 1.5B copy would not fit beside the
+    first in 24 GiB)."""
+    leaf = jax.tree.leaves(params)[0]
+    k = (id(leaf), *key)
+    if (hit := _LAID_OUT.get(k)) and hit[0]() is leaf and (held := hit[1]()) is not None:
+        return held
+    for stale in [x for x, (a, b) in _LAID_OUT.items() if a() is None or b() is None]:
+        del _LAID_OUT[stale]
+    held = Weights(build())
+    _LAID_OUT[k] = (weakref.ref(leaf), weakref.ref(held))
+    return held
+
+
 class Runner:
     """Parameters and device state of one engine, and the calls that change them.
 
@@ -153,10 +181,13 @@ class Runner:
       params: its parameters (checkpoint form; laid out here for the forward, and sharded
         over a mesh under tensor parallelism: models/parallel.py).
       ec: the engine config.
+      draft: speculative decoding's draft model (config, parameters): its K/V pages sit
+        beside the target's under the same block ids (engine/draft.py).
     """
 
-    def __init__(self, model: ModelConfig, params: Params, ec: EngineConfig):
-        self.model, self.config = model, ec
+    def __init__(self, model: ModelConfig, params: Params, ec: EngineConfig,
+                 draft: tuple[ModelConfig, Params] | None = None):
+        self.model, self.config, self._held = model, ec, []
         dtype = jax.tree.leaves(params)[0].dtype
         kv_dtype = kv_quant.storage_dtype(ec.kv_cache_dtype, dtype)
         # Quantized on a GPU: the Pallas kernel (quantize_params), not the C++ one.
@@ -165,9 +196,9 @@ class Runner:
             raise ValueError("quantization on a GPU runs on one device for now")
         self.matmul = ("xla" if gpu_quant else matmul_backend(
             "cpu" if ec.quantization else ec.matmul_backend, dtype))
-        params = prepare_params(params)  # the forward's fast layout, built once
         self.mesh, kv_heads = None, model.num_kv_heads
         if ec.tensor_parallel_size > 1:
+            params = prepare_params(params)  # the forward's fast layout, built once
             if jax.process_count() > 1 and ec.preemption_mode == "swap":
                 raise ValueError("preemption_mode='swap' reads blocks to one host; over "
                                  "several processes use 'recompute'")
@@ -179,11 +210,7 @@ class Runner:
             books, pages = parallel.replicated(self.mesh), parallel.by_head(self.mesh)
         else:
             books = pages = parallel.devices(1, ec.first_device)[0]
-            if self.matmul == "cpu":
-                params = pack_params(params, ec.quantization or "float32")
-            elif ec.quantization:
-                params = quantize_params(params, ec.quantization)
-            params = jax.device_put(params, books)  # no-op on device 0
+            params = self._lay_out(params, books)
         self.params, cc = params, ec.cache
         self.block_bytes = kv_lib.kv_cache_bytes(model.num_layers, kv_heads, cc.block_size,
                                                  model.head_dim, kv_dtype)
@@ -195,11 +222,36 @@ class Runner:
         cache = jax.device_put(kv_lib.init_kv_cache(
             model.num_layers, kv_heads, cc.num_blocks, cc.block_size, model.head_dim,
             kv_dtype), pages)
-        self.state = EngineState(pool, table, cache, sampling)
+        self.draft_params, draft_cache = None, None
+        if draft is not None:  # speculative decoding's draft model (engine/draft.py)
+            dm, dparams = draft
+            self.draft_params = self._lay_out(dparams, books, ec.speculative.quantization)
+            draft_cache = jax.device_put(kv_lib.init_kv_cache(
+                dm.num_layers, dm.num_kv_heads, cc.num_blocks, cc.block_size, dm.head_dim,
+                kv_dtype), pages)
+        self.state = EngineState(pool, table, cache, sampling, draft_cache)
         self.cfg = StepConfig(model, ec.backend or default_backend(), self.mesh,
-                              ec.enable_prefix_caching)
+                              ec.enable_prefix_caching, draft and draft[0])
         self._eos = list(model.eos_token_ids)
         self._programs = 0  # compiled programs seen after the last call
+
+    def _lay_out(self, params: Params, device, quantization: str | None = None) -> Params:
+        """One device's parameters in the forward's layout (prepare_params) and the matmuls'
+        (packed for the C++ kernel, `quantization` (default the engine's)), on `device`;
+        shared with other runners built from the same arrays (`shared_weights`)."""
+        quantization = quantization or self.config.quantization
+
+        def build() -> Params:
+            laid = prepare_params(params)
+            if self.matmul == "cpu":
+                laid = pack_params(laid, quantization or "float32")
+            elif quantization:
+                laid = quantize_params(laid, quantization)
+            return jax.device_put(laid, device)  # no-op on device 0
+
+        held = shared_weights(params, (self.matmul, quantization, str(device)), build)
+        self._held.append(held)
+        return held.params
 
     def run(self, plan: Plan) -> StepOutput:
         """The plan's one jitted call (after its swap-ins, if any), and its one read."""
@@ -224,11 +276,13 @@ class Runner:
             self._swap_in(call, plan.restores)
         t0 = time.perf_counter()
         if call.kind == "step":
-            self.state, out = run_step(self.params, self.state, call.batch, cfg=self.cfg,
+            self.state, out = run_step(self.params, self.state, call.batch,
+                                       self.draft_params, cfg=self.cfg,
                                        shape=call.shape)
         elif call.kind == "verify":
-            self.state, out = run_verify(self.params, self.state, call.batch, cfg=self.cfg,
-                                         shape=call.shape)
+            dparams = None if call.draft is None else self.draft_params
+            self.state, out = run_verify(self.params, self.state, call.batch, dparams,
+                                         call.draft, cfg=self.cfg, shape=call.shape)
         elif call.kind == "window":
             self.state, out = decode_window(self.params, self.state, *call.window, call.ops,
                                             cfg=self.cfg, window=self.config.decode_window,

@@ -167,7 +167,8 @@ class Scheduler:
                     plan.chunks.append((seq, n))
         budget, free = self._admit(plan, budget, free)
         if self.config.speculative is not None:
-            spec_lib.add_drafts(plan, self.config.speculative, self.kv, budget, free)
+            spec_lib.add_drafts(plan, self.config.speculative, self.kv, budget, free,
+                                self.config.max_num_batched_tokens)
         plan.window = self._window(plan)
         self._finish_plan(plan)
         return plan
@@ -310,7 +311,8 @@ class Scheduler:
             plan.samples.add(id(c))
         if plan.window:
             return
-        self.kv.advance([(s, n) for s, n in plan.chunks if id(s) not in plan.drafts])
+        self.kv.advance([(s, n) for s, n in plan.chunks if id(s) not in plan.drafts],
+                        draft=not (plan.drafts or plan.catchup))  # a ragged step: draft.py
         for seq, _ in plan.chunks:
             seq.num_placeholders += id(seq) in plan.samples
         for c in children:
@@ -345,6 +347,9 @@ class Scheduler:
             start = plan.starts.get(id(seq), seq.num_computed)
             if out.kind == "window" or id(seq) in plan.drafts:
                 self.kv.advance([(seq, used)])
+            if id(seq) in plan.catchup:
+                self.kv.advance_draft(seq, plan.catchup[id(seq)],
+                                      len(plan.drafts.get(id(seq), ())), start)
             if id(seq) in plan.drafts:
                 self.spec.count(seq.owner, len(plan.drafts[id(seq)]), emitted - 1)
             rows.append((seq, start, seq.num_computed - start))

@@ -2,7 +2,8 @@
 
 Each fact on a sequence has one writer: its tokens, text, logprobs and finish reason the
 output processing (engine/output.py); its status the scheduler; its KV facts (slot,
-num_computed, maybe_shared_last, swapped, prefix_hit, block_hashes) the KV manager.
+num_computed, draft_computed, maybe_shared_last, swapped, prefix_hit, block_hashes) the KV
+manager.
 
 A request owns n sequences (parallel sampling). Each sequence holds its tokens
 (prompt + generated) and how many of them already have K/V in the cache:
@@ -39,6 +40,9 @@ class Sequence:
     prompt_len: int
     slot: int = -1
     num_computed: int = 0
+    # Speculative decoding with a draft model: its K/V hold tokens[:draft_computed] (written
+    # by the KV manager, like num_computed; 0 whenever the sequence goes live).
+    draft_computed: int = 0
     status: Status = Status.WAITING
     # True while the partly filled last block may be shared with a fork (copy-on-write).
     maybe_shared_last: bool = False

@@ -1,5 +1,6 @@
-"""Speculative decoding, host side: the config (vLLM's `speculative_config`) and the n-gram
-(prompt lookup) proposer.
+"""Speculative decoding, host side: the config (vLLM's `speculative_config`), the n-gram
+(prompt lookup) proposer, and the plan of a draft model's catch-up (engine/draft.py makes
+its drafts on the device, inside the verify call).
 
     schedule()  a decode-only plan: each eligible sequence gets up to k draft tokens, the
                 continuation of the latest earlier occurrence of its longest suffix n-gram
@@ -30,8 +31,9 @@ if TYPE_CHECKING:
     from paged_jax.engine.kv_manager import KVManager
     from paged_jax.engine.plan import Plan
     from paged_jax.engine.sequence import Request, Sequence
+    from paged_jax.models import ModelConfig
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +41,12 @@ class SpeculativeConfig:
     """vLLM's speculative_config keys that apply here.
 
     Attributes:
-      method: "ngram" (prompt lookup).
+      method: "ngram" (prompt lookup) or "draft_model" (a smaller model over the same
+        vocabulary drafts: `model`).
+      model: the draft model (a path or short name, as LLM takes), "draft_model" only.
+      quantization: the draft's weights, None (as the engine's) or "int8" / "int4" (the
+        CPU matmul kernel's weight-only formats): a draft step reads fewer bytes, and its
+        drafts only decide how much is kept, never what is emitted.
       num_speculative_tokens: k, the most draft tokens a sequence verifies per step.
       prompt_lookup_min / prompt_lookup_max: n-gram lengths searched, longest first.
       disable_by_batch_size: speculate only while fewer sequences than this decode (vLLM's
@@ -47,6 +54,8 @@ class SpeculativeConfig:
     """
 
     method: str = "ngram"
+    model: str | None = None
+    quantization: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
@@ -55,7 +64,15 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got "
-                             f"{self.method!r} (a draft model is not supported yet)")
+                             f"{self.method!r}")
+        if (self.model is None) != (self.method == "ngram"):
+            raise ValueError("speculative_config: method 'draft_model' takes a draft `model`; "
+                             f"'ngram' takes none (got method {self.method!r}, model "
+                             f"{self.model!r})")
+        if self.quantization not in (None, "int8", "int4") or (
+                self.quantization and self.model is None):
+            raise ValueError(f"speculative_config quantization must be None, 'int8' or 'int4' "
+                             f"and applies to a draft model, got {self.quantization!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in 1..16, got "
                              f"{self.num_speculative_tokens}")
@@ -67,18 +84,15 @@ class SpeculativeConfig:
 
     @classmethod
     def of(cls, spec: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
-        """From vLLM's dict form (unknown keys and a draft `model` named in the error)."""
+        """From vLLM's dict form (unknown keys named in the error); a `model` without a
+        method means "draft_model", as in vLLM."""
         if spec is None or isinstance(spec, SpeculativeConfig):
             return spec
         if not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
         spec = dict(spec)
-        if spec.get("model") is not None:
-            raise ValueError(f"speculative_config: draft model {spec['model']!r} is not "
-                             f"supported yet; use {{'method': 'ngram'}}")
-        spec.pop("model", None)
         if "method" not in spec:
-            spec["method"] = "ngram"
+            spec["method"] = "ngram" if spec.get("model") is None else "draft_model"
         known = {f.name for f in dataclasses.fields(cls)}
         if unknown := sorted(set(spec) - known):
             raise ValueError(f"speculative_config: unknown keys {unknown}; known {sorted(known)}")
@@ -91,6 +105,30 @@ class SpeculativeConfig:
     @property
     def k(self) -> int:
         return self.num_speculative_tokens
+
+    @property
+    def draft_model(self) -> bool:
+        return self.method == "draft_model"
+
+
+def check_draft(ec, model: ModelConfig, draft: tuple[ModelConfig, object] | None) -> None:
+    """A draft model is given exactly when the config asks for one, over the same
+    vocabulary, on one device (ValueError naming what is wrong)."""
+    spec = ec.speculative
+    wants = spec is not None and spec.draft_model
+    if wants and draft is None:
+        raise ValueError(f"speculative_config names draft model {spec.model!r}; pass its "
+                         "(config, params) as `draft` (LLM loads it)")
+    if draft is None:
+        return
+    if not wants:
+        raise ValueError("a draft model was given but speculative_config method is not "
+                         "'draft_model'")
+    if draft[0].vocab_size != model.vocab_size:
+        raise ValueError(f"draft model vocabulary ({draft[0].vocab_size} tokens) differs from "
+                         f"the model's ({model.vocab_size}): drafts must be the same tokens")
+    if ec.tensor_parallel_size > 1:
+        raise ValueError("a draft model runs on one device: tensor_parallel_size must be 1")
 
 
 def ngram_propose(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -109,10 +147,13 @@ def ngram_propose(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int
 
 
 def add_drafts(plan: Plan, spec: SpeculativeConfig, kv: KVManager, budget: int,
-               free: int) -> None:
+               free: int, catch_up: int) -> None:
     """Drafts for a decode-only plan that admits nothing (Scheduler.schedule): each sequence
     that may speculate verifies up to k drafts, within the token `budget`, the `free` blocks
-    left and its max_tokens (its last emitted token is always the target's own)."""
+    left and its max_tokens (its last emitted token is always the target's own). With a
+    draft model the drafts are placeholders its device loop fills in, and a row first has
+    the draft read what it has not seen (Sequence.draft_computed on; at most `catch_up`
+    tokens over the plan): a row that cannot catch up all the way drafts nothing yet."""
     if (not plan.decode_only or plan.admitted or plan.deferred
             or not spec.applies(len(plan.chunks))
             or not all(kv.slot_live[s.slot] for s, _ in plan.chunks)):
@@ -121,7 +162,16 @@ def add_drafts(plan: Plan, spec: SpeculativeConfig, kv: KVManager, budget: int,
         room = min(spec.k, budget, seq.owner.params.max_tokens - len(seq.output_ids) - 1)
         if room <= 0 or not may_speculate(seq):
             continue
-        drafts = ngram_propose(seq.tokens, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if spec.draft_model:
+            lag = len(seq.tokens) - seq.draft_computed
+            n = min(lag, catch_up)
+            if n <= 0:
+                continue
+            plan.catchup[id(seq)], catch_up = (seq.draft_computed, n), catch_up - n
+            drafts = [0] * room if n == lag else []
+        else:
+            drafts = ngram_propose(seq.tokens, room, spec.prompt_lookup_min,
+                                   spec.prompt_lookup_max)
         extra = kv.blocks_needed(seq, 1 + len(drafts)) - kv.blocks_needed(seq, 1)
         if not drafts or extra > free:
             continue

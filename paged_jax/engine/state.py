@@ -17,12 +17,15 @@ from paged_jax.sample import sampler as smp
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class EngineState:
-    """Everything the device holds between steps (donated to every step)."""
+    """Everything the device holds between steps (donated to every step). `draft`: the
+    draft model's K/V pages under the same block ids and page tables (speculative decoding
+    with a draft model, engine/draft.py); None without one."""
 
     pool: BlockPool
     table: PageTable
     cache: KVCache
     sampling: smp.SamplingState
+    draft: KVCache | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,3 +36,4 @@ class StepConfig:
     backend: str = "reference"
     mesh: Mesh | None = None  # tensor parallelism: the "model" mesh (paged_jax/models/parallel.py)
     prefix_caching: bool = False  # report newly full blocks and refcounts (StepOut)
+    draft_model: ModelConfig | None = None  # speculative decoding's draft (engine/draft.py)

@@ -40,141 +40,12 @@ import jax.numpy as jnp
 from paged_jax.cache import page_table as pt
 from paged_jax.cache import pool as pool_lib
 from paged_jax.cache.kv_cache import KVCache, copy_blocks
-from paged_jax.cache.ops import KVOps
-from paged_jax.engine import settle
+from paged_jax.engine import draft, settle
 from paged_jax.engine.state import EngineState, StepConfig
+from paged_jax.engine.step_types import Admissions, StepBatch, StepOut, StepShape  # noqa: F401
 from paged_jax.models import Params, forward, parallel
 from paged_jax.sample import sampler as smp
-from paged_jax.types import Array, Bool, Float, HostArray, Int
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Admissions:
-    """Slots going live at the start of a step, padded to A entries (slot -1).
-
-    A slot goes live when a request is admitted for the first time, or resumes after a
-    recompute preemption (swapped-out sequences come back through their own call first).
-
-    Attributes:
-      slot: [A] the slot; its page-table row is reset to empty.
-      new_request: [A] first admission: write `sampling` into the slot's sampling row.
-      sampling: [A] the requests' sampling parameters.
-      prompt_mask: [A, V] prompt tokens (repetition penalty), only in steps whose flags have
-        penalties; None otherwise.
-      logit_bias: [A, V] the requests' bias rows, only in steps whose flags have bias.
-      hit_blocks: [A, P] cached blocks of a prefix-cache hit, in logical order, 0-padded.
-      hit_tokens: [A] tokens the hit covers (the slot starts with this length).
-    """
-
-    slot: Int[HostArray, "A"]
-    new_request: Bool[HostArray, "A"]
-    sampling: smp.SamplingRows
-    prompt_mask: Bool[HostArray, "A V"] | None
-    logit_bias: Float[HostArray, "A V"] | None
-    hit_blocks: Int[HostArray, "A P"]
-    hit_tokens: Int[HostArray, "A"]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StepBatch:
-    """One ragged step, padded to static shapes.
-
-    Rows are the sequences taking part (prefill chunks first, then decodes, then the children
-    of n > 1 forks, which have no tokens); row r owns tokens query_start[r] .. query_start[r+1]-1.
-
-    Attributes:
-      token_ids, positions: [T] input token and its position; padding past query_start[R].
-      token_rows: [T] row of each token, -1 for padding.
-      row_slots: [R] page-table slot of each row, -1 for padding rows.
-      query_start: [R + 1] cumulative token offsets of the rows.
-      sample: [R] rows that sample a token after this step (their prompt is complete).
-      fork_src, fork_dst, fork_index: [F] rows: after the forward, the slot of row dst becomes
-        a child of row src's slot (shares its blocks) and samples from its logits with key
-        fold_in(key, index); src < 0 pads.
-      admit: slots going live first (None: none; decode windows).
-      ops: allocator ops applied before everything else (None: none).
-      own: [R] rows the scheduler owns: settled by the device (see `settle`). Beam search's
-        rows are not (it forks and frees them itself).
-      next_ids: [T] for tokens of rows that want prompt logprobs, the prompt token after it
-        (its logprob is reported); -1 elsewhere. Only in steps whose shape has prompt_top.
-    """
-
-    token_ids: Int[HostArray, "T"]
-    positions: Int[HostArray, "T"]
-    token_rows: Int[HostArray, "T"]
-    row_slots: Int[HostArray, "R"]
-    query_start: Int[HostArray, "R+1"]
-    sample: Bool[HostArray, "R"]
-    fork_src: Int[HostArray, "F"]
-    fork_dst: Int[HostArray, "F"]
-    fork_index: Int[HostArray, "F"]
-    admit: Admissions | None = None
-    ops: KVOps | None = None
-    own: Bool[HostArray, "R"] | None = None
-    next_ids: Int[HostArray, "T"] | None = None
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StepOut:
-    """Per-row results of a step (only rows with `sampled` set are meaningful), per-token
-    prompt logprobs ([T], [T, J'] arrays when the shape has prompt_top, else empty), each
-    row's last-token hidden state ([R, E] when the shape has `hidden`, else [R, 0]), and the
-    cache report: `full_blocks` [R, F] the blocks that became full in the step, in logical
-    order (0 pads; F = shape.full_width), and the pool's `refcount` after it ([N] with
-    prefix caching, else [0])."""
-
-    tokens: Int[Array, "R"]
-    logprobs: Float[Array, "R"]
-    top_ids: Int[Array, "R J"]
-    top_logprobs: Float[Array, "R J"]
-    sampled: Bool[Array, "R"]
-    finished: Bool[Array, "R"]
-    reason: Int[Array, "R"]
-    ok: Bool[Array, ""]
-    num_free: Int[Array, ""]
-    prompt: smp.PromptLogprobs
-    hidden: Float[Array, "R E"]
-    full_blocks: Int[Array, "R F"]
-    refcount: Int[Array, "N2"]
-    wire: Int[Array, "B"] | None = None  # every field above, packed (engine/wire.py)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepShape:
-    """Static bounds of one step, chosen by the host from buckets (part of the jit key).
-
-    Attributes:
-      max_q: tokens of any row (1: every row decodes).
-      max_q_rows: only the first max_q_rows rows may have more than one token (None: any).
-      max_new_blocks: blocks any slot gains in the step, copies included.
-      max_copies: copy-on-write copies the step may make (rows whose last block may be
-        shared); 0 skips the copy. A step that would need more is refused (ok False).
-      max_pages: pages any row holds after the step (None: all P).
-      decode_pages: pages of the single-token rows together (attention.flat_decode_reference).
-      flags: sampler features the rows need.
-      prompt_top: J', top logprobs per prompt token, when some row wants prompt logprobs
-        (the forward then keeps every token's logits); None: none.
-      hidden: return each row's last-token hidden state (some row finishing its prompt
-        asked for it: SamplingParams.return_hidden_states).
-      full_width: F, the most blocks a row can fill in the call (0: no report).
-      verify: K + 1, the most tokens a row verifies (speculative decoding, engine/verify.py:
-        every token's logits are kept and sampled); 0 for every other step.
-    """
-
-    max_q: int = 1
-    max_q_rows: int | None = None
-    max_new_blocks: int = 2
-    max_copies: int = 0
-    max_pages: int | None = None
-    decode_pages: int | None = None
-    flags: smp.SampleFlags = smp.SampleFlags()
-    prompt_top: int | None = None
-    hidden: bool = False
-    full_width: int = 0
-    verify: int = 0
+from paged_jax.types import Array, Bool, Float, Int
 
 
 def _admit(state: EngineState, adm: Admissions | None) -> EngineState:
@@ -186,7 +57,7 @@ def _admit(state: EngineState, adm: Admissions | None) -> EngineState:
     new = jnp.where(adm.new_request, adm.slot, -1)
     sampling = smp.admit_rows(state.sampling, new, adm.sampling, adm.prompt_mask,
                               adm.logit_bias)
-    return EngineState(pool, table, state.cache, sampling)
+    return dataclasses.replace(state, pool=pool, table=table, sampling=sampling)
 
 
 def _copies(
@@ -257,7 +128,7 @@ def _fork_children(
     sampling = smp.fork_slots(state.sampling, src, dst, batch.fork_index)
     rows = jnp.where(valid, batch.fork_dst, logits.shape[0])
     logits = logits.at[rows].set(logits[jnp.clip(batch.fork_src, 0)], mode="drop")
-    return EngineState(pool, table, state.cache, sampling), logits
+    return dataclasses.replace(state, pool=pool, table=table, sampling=sampling), logits
 
 
 def _sample(
@@ -324,27 +195,35 @@ def _reserve(
 
 
 def forward_if_room(params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig,
-                    shape: StepShape, after, empty):
+                    shape: StepShape, after, empty, prepare=None):
     """Steps 1-3 (reserve, copy, forward), then `after(state', logits, prompt logprobs,
-    hidden)` -> (state'', out); when the pool cannot cover the step, (state, empty) with
-    nothing changed. Shared by `step_body` and the verify step (engine/verify.py)."""
+    hidden, batch, extra)` -> (state'', out); when the pool cannot cover the step, (state,
+    empty) with nothing changed. Shared by `step_body` and the verify step (engine/verify.py),
+    whose `prepare(state', batch) -> (state', batch', extra)` runs between the copies and the
+    forward (a draft model writes its K/V into the blocks just reserved and fills in the
+    drafts; extra is their distributions: engine/draft.py)."""
     pool, table, (src, dst), ok = _reserve(state, batch, shape)
 
     def go(_):
-        cache = copy_blocks(state.cache, src, dst) if shape.max_copies else state.cache
-        st = EngineState(pool, table, cache, state.sampling)
-        logits, cache, prompt, hidden = forward_rows(params, st, batch, cfg, shape)
-        return after(dataclasses.replace(st, cache=cache), logits, prompt, hidden)
+        copy = (lambda c: copy_blocks(c, src, dst)) if shape.max_copies else (lambda c: c)
+        draft = None if state.draft is None else copy(state.draft)
+        st = dataclasses.replace(state, pool=pool, table=table, cache=copy(state.cache),
+                                 draft=draft)
+        st, b, extra = (st, batch, None) if prepare is None else prepare(st, batch)
+        logits, cache, prompt, hidden = forward_rows(params, st, b, cfg, shape)
+        return after(dataclasses.replace(st, cache=cache), logits, prompt, hidden, b, extra)
 
     return jax.lax.cond(ok, go, lambda _: (state, empty), None)
 
 
 def step_body(
-    params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, shape: StepShape
+    params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, shape: StepShape,
+    dparams: Params | None = None,
 ) -> tuple[EngineState, StepOut]:
-    """One ragged step after its ops and admissions (unjitted; see `run_step`)."""
+    """One ragged step after its ops and admissions (unjitted; see `run_step`); with a draft
+    model's `dparams`, the draft reads the step's tokens too (draft.prefill)."""
 
-    def after(st, logits, prompt, hidden):
+    def after(st, logits, prompt, hidden, *_):
         st, logits = _fork_children(st, logits, batch)
         st, out = _sample(st, logits, batch.row_slots, batch.sample & (batch.row_slots >= 0),
                           shape.flags)
@@ -352,12 +231,15 @@ def step_body(
 
     rows, tokens = batch.row_slots.shape[0], batch.token_ids.shape[0]
     empty = _empty_out(state, rows, tokens, shape, cfg.model.hidden_size)
-    return forward_if_room(params, state, batch, cfg, shape, after, empty)
+    prepare = None if dparams is None else (
+        lambda st, b: (draft.prefill(dparams, st, b, cfg, shape), b, None))
+    return forward_if_room(params, state, batch, cfg, shape, after, empty, prepare)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "shape"), donate_argnames=("state",))
 def run_step(
-    params: Params, state: EngineState, batch: StepBatch, *, cfg: StepConfig, shape: StepShape
+    params: Params, state: EngineState, batch: StepBatch, dparams: Params | None = None, *,
+    cfg: StepConfig, shape: StepShape,
 ) -> tuple[EngineState, StepOut]:
     """One ragged step (prefill chunks and/or decodes), the state donated.
 
@@ -365,6 +247,7 @@ def run_step(
       params: model parameters (runtime form, models.llama.prepare_params).
       state: device state (donated).
       batch: the step's ops, admissions, tokens and rows.
+      dparams: speculative decoding's draft model, which reads the tokens too (draft.py).
       cfg: static engine config.
       shape: static bounds of this step.
 
@@ -375,7 +258,7 @@ def run_step(
     state = _admit(settle.apply_batch_ops(state, batch.ops), batch.admit)
     batch = _resolve(state, batch)
     old_lens = state.table.seq_lens  # after the hits: their blocks are not new
-    state, out = step_body(params, state, batch, cfg, shape)
+    state, out = step_body(params, state, batch, cfg, shape, dparams)
     own = batch.own if batch.own is not None else jnp.zeros_like(batch.sample)
     # Fork children wrote nothing: their blocks are their parent's, reported in its row.
     wrote = batch.query_start[1:] > batch.query_start[:-1]

@@ -2,13 +2,17 @@
 
 Row r feeds its last sampled token and k_r drafts, t d1 .. dk, at positions L .. L + k_r:
 
-    run_verify(params, state, batch)
+    run_verify(params, state, batch[, dparams, dbatch])
       0. ops                 the host's queued allocator work (no admissions: drafts are only
                              made in decode-only plans)
       1-3. reserve, copy, forward: as a ragged step (step.forward_if_room), every
-                             token's logits kept
+                             token's logits kept; with a draft model, its drafts are made
+                             between the copy and the forward (engine/draft.py)
       4. sample every token  token j of row r as plain decoding samples it there: the row's
-                             parameters, num_generated + j (its key and min_tokens)
+                             parameters, num_generated + j (its key and min_tokens); with a
+                             draft model's q, a row at temperature > 0 instead keeps draft
+                             d(j+1) with probability min(1, p(d) / q(d)) and else draws
+                             from max(p - q, 0) (Leviathan et al.)
       5. accept              drafts while d(j+1) == sample j; the row emits samples 0 .. a
                              (a = drafts accepted), cut at the first stop (EOS, stop id,
                              max_tokens) checked token by token as plain decoding would
@@ -29,13 +33,17 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax.cache import page_table as pt
-from paged_jax.engine import settle
+from paged_jax.engine import draft, settle
 from paged_jax.engine.state import EngineState, StepConfig
 from paged_jax.engine.step import StepBatch, StepShape, forward_if_room
 from paged_jax.engine.window import WindowOut, empty_window
 from paged_jax.models import Params
 from paged_jax.sample import sampler as smp
 from paged_jax.types import Array, Bool, Float, Int
+
+ACCEPT_SALT, RESIDUAL_SALT = 0xACC, 0x2E5
+"""Key streams of the rejection rule's uniforms and residual draws (a draft model's drafts):
+fold_in(fold_in(key, num_generated + j), salt), apart from the row's sampling key."""
 
 
 def _token_rows(batch: StepBatch) -> tuple[Int[Array, "T"], Int[Array, "T"]]:
@@ -47,6 +55,16 @@ def _token_rows(batch: StepBatch) -> tuple[Int[Array, "T"], Int[Array, "T"]]:
     return slot, j
 
 
+def _next_in_row(
+    tokens: Int[Array, "T"], batch: StepBatch
+) -> tuple[Bool[Array, "T"], Int[Array, "T"]]:
+    """Whether each token has a draft after it in its row, and that draft."""
+    rows = batch.token_rows
+    nxt_row = jnp.concatenate([rows[1:], jnp.full((1,), -1, rows.dtype)])
+    nxt_tok = jnp.concatenate([batch.token_ids[1:], jnp.zeros((1,), tokens.dtype)])
+    return (rows >= 0) & (nxt_row == rows), nxt_tok
+
+
 def _accepted(
     tokens: Int[Array, "T"], batch: StepBatch, j: Int[Array, "T"]
 ) -> Int[Array, "R"]:
@@ -54,25 +72,58 @@ def _accepted(
     the sample after the last of those (1 for a row without drafts)."""
     t, r = tokens.shape[0], batch.row_slots.shape[0]
     rows = batch.token_rows
-    nxt_row = jnp.concatenate([rows[1:], jnp.full((1,), -1, rows.dtype)])
-    nxt_tok = jnp.concatenate([batch.token_ids[1:], jnp.zeros((1,), tokens.dtype)])
-    has_draft = (rows >= 0) & (nxt_row == rows)
+    has_draft, nxt_tok = _next_in_row(tokens, batch)
     stops = (rows >= 0) & (~has_draft | (tokens != nxt_tok))  # the row's last emitted token
     first = jnp.full((r,), t, jnp.int32).at[jnp.where(rows >= 0, rows, r)].min(
         jnp.where(stops, j, t), mode="drop")
     return first + 1
 
 
-def _sample_all(
-    state: EngineState, logits: Float[Array, "T V"], batch: StepBatch, shape: StepShape
-) -> tuple[EngineState, WindowOut]:
-    """Steps 4-5: every token sampled, the accepted prefix of each row cut at its stop."""
-    flags, k1 = shape.flags, shape.verify
+def _rejection(
+    logits: Float[Array, "T V"], view: smp.SamplingState, batch: StepBatch,
+    j: Int[Array, "T"], q: Float[Array, "R K V"], plain: Int[Array, "T"],
+    flags: smp.SampleFlags,
+) -> Int[Array, "T"]:
+    """Leviathan et al.'s rule for a draft model's drafts, as the token each position
+    "samples": the draft d after it where kept (with probability min(1, p(d) / q(d))),
+    else a draw from max(p - q, 0) (never d). Greedy rows and each row's last token keep
+    plain decoding's sample, so greedy output is plain decoding's."""
+    has_draft, d = _next_in_row(plain, batch)
+    row = jnp.clip(batch.token_rows, 0)
+    qt = q[row, jnp.clip(j, 0, q.shape[1] - 1)]  # the distribution d was drawn from
+    p = smp.distribution(logits, view, flags)
+    at = lambda x: jnp.take_along_axis(x, d[:, None], axis=1)[:, 0]  # noqa: E731
+    keep = smp.uniform(view, ACCEPT_SALT) * at(qt) < at(p)
+    other = smp.draw_from(jnp.maximum(p - qt, 0.0), view, RESIDUAL_SALT)
+    drawn = has_draft & (view.temperature > 0.0)
+    return jnp.where(drawn, jnp.where(keep, d, other), plain)
+
+
+def _sample_tokens(
+    state: EngineState, logits: Float[Array, "T V"], batch: StepBatch, flags: smp.SampleFlags,
+    q: Float[Array, "R K V"] | None,
+) -> tuple[smp.SampleResult, Int[Array, "T"]]:
+    """Step 4: what every token samples (with q, the rejection rule's token) and its j."""
     slot, j = _token_rows(batch)
     # token j of a row is sampled as if the row's tokens before it were emitted
     view = smp.rows_view(state.sampling, slot, flags.penalties, flags.bias)
     view = dataclasses.replace(view, num_generated=view.num_generated + j)
-    res = smp.sample(logits, view, flags=flags)
+    if q is None:
+        return smp.sample(logits, view, flags=flags), j
+    quiet = dataclasses.replace(flags, logprobs=False, num_top_logprobs=0)
+    plain = smp.sample(logits, view, flags=quiet).tokens
+    return smp.with_logprobs(logits, _rejection(logits, view, batch, j, q, plain, flags),
+                             flags), j
+
+
+def _sample_all(
+    state: EngineState, logits: Float[Array, "T V"], batch: StepBatch, shape: StepShape,
+    q: Float[Array, "R K V"] | None = None,
+) -> tuple[EngineState, WindowOut]:
+    """Steps 4-5: every token sampled (with a draft model's q, by the rejection rule), the
+    accepted prefix of each row cut at its stop."""
+    flags, k1 = shape.flags, shape.verify
+    res, j = _sample_tokens(state, logits, batch, flags, q)
     active = batch.row_slots >= 0
     emit = _accepted(res.tokens, batch, j)
     t = logits.shape[0]
@@ -109,29 +160,37 @@ def _roll_back(state: EngineState, batch: StepBatch, emitted: Int[Array, "R"]) -
 
 
 def verify_body(
-    params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, shape: StepShape
+    params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, shape: StepShape,
+    dparams: Params | None = None, dbatch: draft.DraftBatch | None = None,
 ) -> tuple[EngineState, WindowOut]:
-    """Steps 1-6 (unjitted). Not ok (the pool cannot cover it): nothing runs."""
+    """Steps 1-6 (unjitted); with a draft model (`dparams`, `dbatch`) its drafts are made
+    after step 2 (engine/draft.py). Not ok (the pool cannot cover it): nothing runs."""
 
-    def after(st, logits, *_):
-        st, out = _sample_all(st, logits, batch, shape)
-        return _roll_back(st, batch, out.valid.sum(axis=0, dtype=jnp.int32)), out
+    def after(st, logits, _prompt, _hidden, b, q):
+        st, out = _sample_all(st, logits, b, shape, q)
+        return _roll_back(st, b, out.valid.sum(axis=0, dtype=jnp.int32)), out
 
+    prepare = None if dbatch is None else (
+        lambda st, b: draft.propose(dparams, st, b, dbatch, cfg, shape))
     empty = empty_window(shape.verify, batch.row_slots.shape[0],
                          shape.flags.num_top_logprobs, False, state.pool.num_free)
-    return forward_if_room(params, state, batch, cfg, shape, after, empty)
+    return forward_if_room(params, state, batch, cfg, shape, after, empty, prepare)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "shape"), donate_argnames=("state",))
 def run_verify(
-    params: Params, state: EngineState, batch: StepBatch, *, cfg: StepConfig, shape: StepShape
+    params: Params, state: EngineState, batch: StepBatch, dparams: Params | None = None,
+    dbatch: draft.DraftBatch | None = None, *, cfg: StepConfig, shape: StepShape,
 ) -> tuple[EngineState, WindowOut]:
     """One verify step (module docstring), the state donated.
 
     Args:
       params: model parameters (runtime form).
       state: device state (donated).
-      batch: the rows' tokens (last sampled token, then its drafts) and the call's ops.
+      batch: the rows' tokens (last sampled token, then its drafts: placeholders a draft
+        model fills in) and the call's ops.
+      dparams, dbatch: a draft model's parameters and its catch-up tokens (engine/draft.py);
+        None for n-gram drafts.
       cfg: static engine config.
       shape: static bounds; shape.verify = K + 1.
 
@@ -140,7 +199,7 @@ def run_verify(
     """
     state = settle.apply_batch_ops(state, batch.ops)
     old_lens = state.table.seq_lens
-    state, out = verify_body(params, state, batch, cfg, shape)
+    state, out = verify_body(params, state, batch, cfg, shape, dparams, dbatch)
     own = batch.own if batch.own is not None else jnp.zeros_like(batch.sample)
     wrote: Bool[Array, "R"] = batch.query_start[1:] > batch.query_start[:-1]
     return settle.settle_and_report(state, out, batch.row_slots, own, old_lens, cfg,

@@ -234,11 +234,7 @@ def sample(
       SampleResult with tokens [S], logprobs [S], ranks [S], top_ids / top_logprobs [S, J].
     """
     flags = flags or SampleFlags(num_top_logprobs=num_top_logprobs)
-    processed = apply_min_tokens(logits.astype(jnp.float32), state)
-    if flags.bias:
-        processed = jnp.where(state.has_bias[:, None], processed + state.logit_bias, processed)
-    if flags.penalties:
-        processed = apply_penalties(processed, state)
+    processed = _processed(logits, state, flags)
     greedy = jnp.argmax(processed, axis=1).astype(jnp.int32)
     tokens = greedy
     if flags.random:
@@ -252,8 +248,56 @@ def sample(
         s = tokens.shape[0]
         return SampleResult(tokens, zf, zi, jnp.zeros((s, 0), jnp.int32),
                             jnp.zeros((s, 0), jnp.float32))
+    return with_logprobs(logits, tokens, flags)
+
+
+def with_logprobs(logits: Float[Array, "S V"], tokens: Int[Array, "S"],
+                  flags: SampleFlags) -> SampleResult:
+    """`tokens` with their raw logprobs, ranks and the top J (what `sample` reports)."""
     chosen, ranks, top_ids, top_lp = _gather_logprobs(logits, tokens, flags.num_top_logprobs)
     return SampleResult(tokens, chosen, ranks, top_ids, top_lp)
+
+
+def _processed(logits: Float[Array, "S V"], state: SamplingState,
+               flags: SampleFlags) -> Float[Array, "S V"]:
+    """Raw logits after min_tokens, logit bias and penalties (before temperature)."""
+    processed = apply_min_tokens(logits.astype(jnp.float32), state)
+    if flags.bias:
+        processed = jnp.where(state.has_bias[:, None], processed + state.logit_bias, processed)
+    if flags.penalties:
+        processed = apply_penalties(processed, state)
+    return processed
+
+
+def distribution(logits: Float[Array, "S V"], state: SamplingState,
+                 flags: SampleFlags) -> Float[Array, "S V"]:
+    """The probabilities `sample` draws each row's token from: one-hot at the argmax for
+    greedy rows, else the softmax of the processed logits over temperature, filtered
+    (speculative decoding's p and q must be the distributions the tokens come from)."""
+    processed = _processed(logits, state, flags)
+    v = processed.shape[1]
+    one_hot = jax.nn.one_hot(jnp.argmax(processed, axis=1), v, dtype=jnp.float32)
+    if not flags.random:
+        return one_hot
+    scaled = processed / jnp.maximum(state.temperature, 1e-5)[:, None]
+    if flags.filters:
+        scaled = filter_logits(scaled, state)
+    probs = jax.nn.softmax(scaled, axis=1)
+    return jnp.where((state.temperature == 0.0)[:, None], one_hot, probs)
+
+
+def draw_from(probs: Float[Array, "S V"], state: SamplingState, salt: int) -> Int[Array, "S"]:
+    """A token per row from `probs` with key fold_in(fold_in(key, num_generated), salt): a
+    stream of its own beside the row's sampling key (one-hot rows give their token)."""
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, salt))(_row_keys(state))
+    logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
+    return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+
+
+def uniform(state: SamplingState, salt: int) -> Float[Array, "S"]:
+    """A U[0, 1) number per row from its key stream `salt` (speculative acceptance)."""
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, salt))(_row_keys(state))
+    return jax.vmap(jax.random.uniform)(keys)
 
 
 def stop_mask(

@@ -43,8 +43,9 @@ def parser() -> argparse.ArgumentParser:
                          "prompt then shares steps with running decodes")
     ap.add_argument("--speculative-config", type=json.loads, default=None,
                     help='speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", '
-                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (turns '
-                         "async scheduling off)")
+                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or a draft '
+                         'model: \'{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": '
+                         '3}\' (turns async scheduling off)')
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-pending", type=int, default=256,
