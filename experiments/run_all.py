@@ -27,6 +27,7 @@ from experiments import (
     shared_prefix,
     sliding_window_kv,
     speculative,
+    speculative_draft,
     test_times,
     weight_layout,
     weight_quantization,
@@ -53,6 +54,7 @@ FULL = [
     (async_scheduling, dict(argv=[])),
     (long_prompt, dict(argv=[])),
     (speculative, dict(argv=[])),
+    (speculative_draft, dict(argv=[])),
     (bench_serving, dict(argv=["--requests", "32", "--rates", "1", "2", "inf", "--offline"]
                           + (["--vllm-python", str(VLLM)] if VLLM.exists() else []))),
     (test_times, dict(argv=[])),  # `make test` cold and warm, last: it runs the suite twice

@@ -1,7 +1,8 @@
 """Speculative decoding with a draft model (Qwen2.5-Coder 0.5B drafting for 1.5B) against
 plain decoding of the 1.5B, alternating in one run.
 
-    python -m experiments.speculative_draft [--rounds 3] [--ks 2 3 4]
+    python -m experiments.speculative_draft [--target qwen2.5-coder-1.5b]
+        [--draft qwen2.5-coder-0.5b] [--rounds 3] [--ks 2 3 4]
         [--quantizations int4 int8 none] [--batches 1 4 16] [--tokens 128]
 
 Workloads as experiments/speculative.py (chat, the issue's; code-edit beside it at batch 1),
@@ -39,7 +40,7 @@ NOT_SLOWER_AT = 16
 def make(parts, draft, k: int | None, quant: str | None, a) -> object:
     from paged_jax import LLM
 
-    spec = None if k is None else dict(model=DRAFT, num_speculative_tokens=k,
+    spec = None if k is None else dict(model=a.draft, num_speculative_tokens=k,
                                        quantization=quant,
                                        disable_by_batch_size=a.disable_by_batch_size)
     return LLM(model_parts=parts, draft_model_parts=draft if k else None,
@@ -62,6 +63,8 @@ def side_names(a, batch: int) -> dict[str, tuple[int | None, str | None]]:
 
 def parse(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=TARGET)
+    ap.add_argument("--draft", default=DRAFT)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4])
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = parse(argv)
     from paged_jax.models import load_model
 
-    parts, draft = load_model(TARGET), load_model(DRAFT)
+    parts, draft = load_model(a.target), load_model(a.draft)
     tok = parts[2]
     every = {n: v for b in a.batches for n, v in side_names(a, b).items()}
     sides = {n: make(parts, draft, k, q, a) for n, (k, q) in every.items()}
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f" {c['vs_plain']['verdict']}, accepted {c['acceptance'] or 0:.2f}, length "
                 f"{c['mean_acceptance_length'] or 1:.2f}, same {c['greedy_same_rounds']}/"
                 f"{c['rounds']})" for n, c in got.items()), flush=True)
-    payload = dict(target=TARGET, draft=DRAFT, judged=JUDGED, rounds=a.rounds, tokens=a.tokens,
+    payload = dict(target=a.target, draft=a.draft, judged=JUDGED, rounds=a.rounds, tokens=a.tokens,
                    batches=a.batches, ks=a.ks, quantizations=a.quantizations, offset=a.offset,
                    disable_by_batch_size=a.disable_by_batch_size, cells=results,
                    peer="none run (vLLM's CPU build, llama.cpp)", targets=targets(results))

@@ -174,6 +174,25 @@ def test_weight_quantization_reports_every_side_and_target():
     assert all(isinstance(t["met"], bool) for t in data["targets"])
 
 
+def test_speculative_draft_runs_every_side_on_the_same_tokens():
+    """SmolLM2 drafting for itself (every draft kept), one round, batch 1 and 2: the judged
+    side and plain, greedy identity checked, the targets' verdicts, JSON and PNG."""
+    from experiments import speculative_draft
+
+    data = speculative_draft.main(["--target", "smollm2", "--draft", "smollm2", "--batches",
+                                   "1", "2", "--ks", "3", "--quantizations", "int4",
+                                   "--tokens", "8", "--rounds", "1", "--kv-mib", "64"])
+    cells = json.loads(open(data["json"]).read())["cells"]
+    assert set(cells) == {"chat batch 1", "code-edit batch 1", "chat batch 2"}
+    assert set(cells["chat batch 1"]) == {"plain", "draft 3 int4"}
+    for cell in cells.values():
+        for side in cell.values():
+            assert side["tok_s"] > 0 and side["greedy_same_rounds"] == 1
+    assert cells["chat batch 1"]["draft 3 int4"]["acceptance"] > 0
+    assert data["targets"]["greedy identical"]["verdict"] == "met"
+    assert open(data["png"], "rb").read(4) == b"\x89PNG"
+
+
 def test_speculative_runs_every_side_on_the_same_tokens():
     """SmolLM2, one round, batch 1 and 2: plain and n-gram sides with their acceptance,
     greedy identity checked, the targets' verdicts, JSON and PNG."""
