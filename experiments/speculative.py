@@ -174,16 +174,29 @@ def targets(results: dict) -> dict:
         cells = results.get(name)
         if not cells:
             continue
-        plain = cells["plain"]["runs"]
-        each = {n: common.compare(c["runs"], [bar * x for x in plain])["verdict"]
-                for n, c in cells.items() if n != "plain"}
+        each = bar_verdicts(cells, bar)
         side = default if default in each else max(each, key=lambda n: cells[n]["tok_s"])
         out[f"ngram {name} >= {bar}x"] = dict(
             side=side, speedup=cells[side]["tok_s"] / cells["plain"]["tok_s"],
-            verdict={"higher": "met", "lower": "not met"}.get(each[side], "not separable"),
-            every_k=each)
+            verdict=VERDICT.get(each[side], "not separable"), every_k=each)
+    return out | not_slower(results, NOT_SLOWER_AT)
+
+
+VERDICT = {"higher": "met", "lower": "not met"}  # a bar's verdict from common.compare's
+
+
+def bar_verdicts(cells: dict, bar: float) -> dict[str, str]:
+    """Each side's runs against `bar` x plain's runs (common.compare's verdict)."""
+    plain = cells["plain"]["runs"]
+    return {n: common.compare(c["runs"], [bar * x for x in plain])["verdict"]
+            for n, c in cells.items() if n != "plain"}
+
+
+def not_slower(results: dict, batch: int) -> dict:
+    """The issue's "not slower than plain beyond the noise" for every cell at `batch`."""
+    out = {}
     for name, cells in results.items():
-        if name.endswith(f"batch {NOT_SLOWER_AT}"):
+        if name.endswith(f"batch {batch}"):
             slower = [n for n, c in cells.items() if c["vs_plain"]["verdict"] == "lower"]
             out[f"{name}: not slower than plain"] = dict(
                 slower=slower, verdict="not met" if slower else "met")

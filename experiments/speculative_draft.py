@@ -29,7 +29,7 @@ import argparse
 import gc
 
 from experiments import common
-from experiments.speculative import cell, plot, prompts, run
+from experiments.speculative import VERDICT, bar_verdicts, cell, not_slower, plot, prompts, run
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 JUDGED = "draft 3 int4"  # picked in a probe (chat prompts 0-2, 64 tokens) before this run
@@ -122,20 +122,12 @@ def targets(results: dict) -> dict:
         cells = results.get(name)
         if not cells or JUDGED not in cells:
             continue
-        plain = cells["plain"]["runs"]
-        each = {n: common.compare(c["runs"], [bar * x for x in plain])["verdict"]
-                for n, c in cells.items() if n != "plain"}
+        each = bar_verdicts(cells, bar)
         out[f"draft {name} >= {bar}x"] = dict(
             side=JUDGED, speedup=cells[JUDGED]["tok_s"] / cells["plain"]["tok_s"],
             limit=cells[JUDGED]["mean_acceptance_length"],
-            verdict={"higher": "met", "lower": "not met"}.get(each[JUDGED], "not separable"),
-            every_side=each)
-    for name, cells in results.items():
-        if name.endswith(f"batch {NOT_SLOWER_AT}"):
-            slower = [n for n, c in cells.items() if c["vs_plain"]["verdict"] == "lower"]
-            out[f"{name}: not slower than plain"] = dict(
-                slower=slower, verdict="not met" if slower else "met")
-    return out
+            verdict=VERDICT.get(each[JUDGED], "not separable"), every_side=each)
+    return out | not_slower(results, NOT_SLOWER_AT)
 
 
 if __name__ == "__main__":

@@ -89,26 +89,36 @@ def test_the_same_work_again_compiles_no_verify_program():
     """Verify buckets come from the rows' token counts (prefix caching off: hits would
     change the prefill steps and the copy-on-write bound)."""
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    eng = engine(**BUCKETS, speculative=SPEC, enable_prefix_caching=False)
-    first = run(eng, [(str(i), p, greedy) for i, p in enumerate(PROMPTS)])
+    second_run_compiles_no_verify(engine(**BUCKETS, speculative=SPEC,
+                                         enable_prefix_caching=False), greedy)
+
+
+def second_run_compiles_no_verify(eng, sp: SamplingParams) -> None:
+    """PROMPTS through `eng` twice: the second time compiles no verify program and gives
+    the first time's tokens."""
+    first = run(eng, [(str(i), p, sp) for i, p in enumerate(PROMPTS)])
     before = run_verify._cache_size()
-    again = run(eng, [(f"again {i}", p, greedy) for i, p in enumerate(PROMPTS)])
+    again = run(eng, [(f"again {i}", p, sp) for i, p in enumerate(PROMPTS)])
     assert run_verify._cache_size() == before
     assert [again[f"again {i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == [
         first[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))]
 
 
+def stop_requests() -> list[tuple[str, str, SamplingParams]]:
+    """Greedy requests whose max_tokens, stop strings and logprobs land inside runs of
+    accepted drafts."""
+    greedy = lambda **kw: SamplingParams(temperature=0.0, ignore_eos=True, **kw)  # noqa: E731
+    return [r for i, p in enumerate(PROMPTS) for r in (
+        (f"m{i}", p, greedy(max_tokens=3 + i)),
+        (f"t{i}", p, greedy(max_tokens=30, stop=["a", "o"])),
+        (f"l{i}", p, greedy(max_tokens=12, logprobs=2)))]
+
+
 def test_seeded_sampling_stop_strings_and_max_tokens_are_identical():
-    reqs = []
-    for i, p in enumerate(PROMPTS):
-        reqs.append((f"s{i}", p, SamplingParams(temperature=0.7, top_k=20, top_p=0.9,
-                                                seed=i, max_tokens=20, ignore_eos=True)))
-        reqs.append((f"m{i}", p, SamplingParams(temperature=0.0, max_tokens=3 + i,
-                                                ignore_eos=True)))
-        reqs.append((f"t{i}", p, SamplingParams(temperature=0.0, max_tokens=30,
-                                                ignore_eos=True, stop=["a", "o"])))
-        reqs.append((f"l{i}", p, SamplingParams(temperature=0.0, max_tokens=12, logprobs=2,
-                                                ignore_eos=True)))
+    reqs = stop_requests() + [
+        (f"s{i}", p, SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=i,
+                                    max_tokens=20, ignore_eos=True))
+        for i, p in enumerate(PROMPTS)]
     plain, spec, eng = both(reqs)
     assert spec == plain
     assert eng.scheduler.spec.num_accepted_tokens > 0
@@ -187,12 +197,18 @@ def _samples(spec, seeds: range, position: int, monkeypatch) -> np.ndarray:
         start, cont = len(greedy.prompt_token_ids), greedy.outputs[0].token_ids
         monkeypatch.setattr(spec_lib, "ngram_propose",
                             lambda toks, k, *_: cont[len(toks) - start:][:k])
-    reqs = [(str(s), prompt, SamplingParams(temperature=1.0, seed=s, max_tokens=position + 1,
+    return seeded_tokens(eng, prompt, seeds, position, position + 1)
+
+
+def seeded_tokens(eng, prompt: str, seeds: range, position: int, max_tokens: int) -> np.ndarray:
+    """The token each seeded request (temperature 1) samples at `position`; with
+    speculation, some drafts must have been kept and some not."""
+    reqs = [(str(s), prompt, SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens,
                                            ignore_eos=True)) for s in seeds]
     outs, wave = {}, eng.config.max_num_seqs
     for i in range(0, len(reqs), wave):  # in waves: a step that admits does not draft
         outs |= run(eng, reqs[i:i + wave])
-    if spec is not None:
+    if eng.config.speculative is not None:
         c = eng.scheduler.spec
         assert 0 < c.num_accepted_tokens < c.num_draft_tokens
     return np.array([outs[str(s)].outputs[0].token_ids[position] for s in seeds])
@@ -201,18 +217,24 @@ def _samples(spec, seeds: range, position: int, monkeypatch) -> np.ndarray:
 def test_sampled_distribution_matches_plain_decoding_chi_square(monkeypatch):
     """Independent seeds on each side (not the same draws): the token frequencies at the
     6th output position pass a chi-square homogeneity test at p > 0.001."""
-    from scipy.stats import chi2_contingency
-
     a = _samples(None, range(0, 600), 5, monkeypatch)
     b = _samples(SPEC, range(1000, 1600), 5, monkeypatch)
+    p = homogeneity_p(a, b)
+    assert p > 1e-3, f"speculative sampling differs from plain sampling (p = {p:.2g})"
+
+
+def homogeneity_p(a: np.ndarray, b: np.ndarray) -> float:
+    """Chi-square homogeneity p-value of two token samples (tokens seen under 10 times
+    pooled: the test needs expected counts); fails if fewer than 3 columns remain."""
+    from scipy.stats import chi2_contingency
+
     vals = sorted(set(a) | set(b))
     table = np.array([[np.sum(a == v) for v in vals], [np.sum(b == v) for v in vals]])
     keep = table.sum(0) >= 10  # chi-square needs expected counts; rare tokens pooled
     table = np.concatenate([table[:, keep], table[:, ~keep].sum(1, keepdims=True)], axis=1)
     table = table[:, table.sum(0) > 0]
-    p = chi2_contingency(table).pvalue
     assert table.shape[1] >= 3, "too few distinct tokens: the test cannot tell anything"
-    assert p > 1e-3, f"speculative sampling differs from plain sampling (p = {p:.2g})"
+    return chi2_contingency(table).pvalue
 
 
 def test_llm_and_server_take_vllms_speculative_config():

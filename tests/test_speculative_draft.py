@@ -10,11 +10,17 @@ import numpy as np
 import pytest
 
 from paged_jax.engine.speculative import SpeculativeConfig
-from paged_jax.engine.verify import run_verify
 from paged_jax.models.testing import random_params, tiny_config
 from paged_jax.sampling_params import SamplingParams
 from tests.engine_helpers import BUCKETS, all_free, engine, model, run
-from tests.test_speculative import PROMPTS, outputs
+from tests.test_speculative import (
+    PROMPTS,
+    homogeneity_p,
+    outputs,
+    second_run_compiles_no_verify,
+    seeded_tokens,
+    stop_requests,
+)
 
 SPEC = SpeculativeConfig(method="draft_model", model="tiny", num_speculative_tokens=3)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -62,15 +68,7 @@ def test_greedy_is_plain_decoding_whatever_the_draft(kind):
 
 
 def test_stops_logprobs_and_max_tokens_inside_accepted_runs():
-    reqs = []
-    for i, p in enumerate(PROMPTS):
-        reqs.append((f"m{i}", p, SamplingParams(temperature=0.0, max_tokens=3 + i,
-                                                ignore_eos=True)))
-        reqs.append((f"t{i}", p, SamplingParams(temperature=0.0, max_tokens=30,
-                                                ignore_eos=True, stop=["a", "o"])))
-        reqs.append((f"l{i}", p, SamplingParams(temperature=0.0, max_tokens=12, logprobs=2,
-                                                ignore_eos=True)))
-    plain, spec, eng = drafted(lambda p: p, reqs)
+    plain, spec, eng = drafted(lambda p: p, stop_requests())
     assert spec == plain
     assert eng.scheduler.spec.num_accepted_tokens > 0
 
@@ -117,14 +115,8 @@ def test_prefix_hits_mixed_batches_and_long_catch_up():
 
 def test_the_same_work_again_compiles_no_verify_program():
     c, p, _ = model()
-    eng = engine(**BUCKETS, speculative=SPEC, draft=(c, near(p, 0.3)),
-                 enable_prefix_caching=False)
-    first = run(eng, [(str(i), q, GREEDY) for i, q in enumerate(PROMPTS)])
-    before = run_verify._cache_size()
-    again = run(eng, [(f"again {i}", q, GREEDY) for i, q in enumerate(PROMPTS)])
-    assert run_verify._cache_size() == before
-    assert [again[f"again {i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == [
-        first[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))]
+    second_run_compiles_no_verify(engine(**BUCKETS, speculative=SPEC, draft=(c, near(p, 0.3)),
+                                         enable_prefix_caching=False), GREEDY)
 
 
 def test_config_and_draft_errors_name_the_problem():
@@ -144,35 +136,17 @@ def test_config_and_draft_errors_name_the_problem():
 def _samples(spec, seeds: range, position: int) -> np.ndarray:
     """The token each seeded request samples at `position` (temperature 1) on the tiny
     model, with a noisy copy of it drafting (its q overlaps p, as a real draft's does)."""
-    prompt, parts = "abcdefgh " * 3, model()
+    parts = model()
     draft = None if spec is None else (parts[0], near(parts[1], 0.3))
     eng = engine(parts=parts, **BUCKETS, speculative=spec, draft=draft, check=False)
-    reqs = [(str(s), prompt, SamplingParams(temperature=1.0, seed=s, max_tokens=position + 3,
-                                           ignore_eos=True)) for s in seeds]
-    outs, wave = {}, eng.config.max_num_seqs
-    for i in range(0, len(reqs), wave):  # in waves: a step that admits does not draft
-        outs |= run(eng, reqs[i:i + wave])
-    if spec is not None:
-        c = eng.scheduler.spec
-        assert 0 < c.num_accepted_tokens < c.num_draft_tokens
-    return np.array([outs[str(s)].outputs[0].token_ids[position] for s in seeds])
+    return seeded_tokens(eng, "abcdefgh " * 3, seeds, position, position + 3)
 
 
 @pytest.mark.slow
 def test_sampled_distribution_matches_plain_decoding_chi_square():
     """End to end: the 2nd output token's frequencies over independent seeds (drafted,
     then kept or redrawn) pass a chi-square homogeneity test at p > 0.001."""
-    from scipy.stats import chi2_contingency
-
-    a = _samples(None, range(0, 600), 1)
-    b = _samples(SPEC, range(1000, 1600), 1)
-    vals = sorted(set(a) | set(b))
-    table = np.array([[np.sum(a == v) for v in vals], [np.sum(b == v) for v in vals]])
-    keep = table.sum(0) >= 10
-    table = np.concatenate([table[:, keep], table[:, ~keep].sum(1, keepdims=True)], axis=1)
-    table = table[:, table.sum(0) > 0]
-    p = chi2_contingency(table).pvalue
-    assert table.shape[1] >= 3, "too few distinct tokens: the test cannot tell anything"
+    p = homogeneity_p(_samples(None, range(0, 600), 1), _samples(SPEC, range(1000, 1600), 1))
     assert p > 1e-3, f"draft-model sampling differs from plain sampling (p = {p:.2g})"
 
 
