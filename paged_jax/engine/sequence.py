@@ -41,7 +41,7 @@ class Sequence:
     slot: int = -1
     num_computed: int = 0
     # Speculative decoding with a draft model: its K/V hold tokens[:draft_computed] (written
-    # by the KV manager, like num_computed; 0 whenever the sequence goes live).
+    # by the KV manager, like num_computed; it follows num_computed through ragged steps).
     draft_computed: int = 0
     status: Status = Status.WAITING
     # True while the partly filled last block may be shared with a fork (copy-on-write).
