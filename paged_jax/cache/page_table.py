@@ -250,3 +250,16 @@ def cache_positions(
     page = jnp.clip(positions // k, 0, table.max_blocks_per_seq - 1)
     block = table.block_tables[seq, page]
     return jnp.where(seq_ids >= 0, block * k + positions % k, PAD_POSITION)
+
+
+def row_paging(
+    table: PageTable, row_slots: Int[Array, "R"], token_rows: Int[Array, "T"],
+    positions: Int[Array, "T"], max_pages: int | None = None,
+) -> tuple[Int[Array, "T"], Int[Array, "R P2"], Int[Array, "R"]]:
+    """What a ragged forward over rows reads of the page tables: each token's cache position
+    (padding tokens' and padding rows' PAD_POSITION), each row's first `max_pages` pages and
+    its length (0 for a padding row, slot -1)."""
+    slots = jnp.clip(row_slots, 0)
+    seq_ids = jnp.where(token_rows >= 0, row_slots[jnp.clip(token_rows, 0)], -1)
+    return (cache_positions(table, seq_ids, positions), table.block_tables[slots][:, :max_pages],
+            jnp.where(row_slots >= 0, table.seq_lens[slots], 0))

@@ -69,14 +69,15 @@ class DraftBatch:
 
 
 def _draft_forward(dparams: Params, st: EngineState, cfg: StepConfig, shape: StepShape,
-                   slots: Int[Array, "R"], tokens, positions, token_rows, seq_lens,
-                   query_start, max_q: int):
-    """One draft forward over a ragged batch in the verify rows' pages: last logits per row."""
-    seq_ids = jnp.where(token_rows >= 0, slots[jnp.clip(token_rows, 0)], -1)
-    cache_pos = pt.cache_positions(st.table, seq_ids, positions)
-    tables = st.table.block_tables[jnp.clip(slots, 0)][:, :shape.max_pages]
-    return forward(dparams, st.draft, tokens, positions, cache_pos, tables, seq_lens,
-                   query_start, config=cfg.draft_model, max_q=max_q, backend=cfg.backend)
+                   slots: Int[Array, "R"], tokens, positions, token_rows, query_start,
+                   seq_lens=None, **hints):
+    """One draft forward over a ragged batch in the rows' pages (`seq_lens`: the rows'
+    lengths, default the page tables'): (last logits per row, the draft's K/V)."""
+    cache_pos, tables, lens = pt.row_paging(st.table, slots, token_rows, positions,
+                                            shape.max_pages)
+    return forward(dparams, st.draft, tokens, positions, cache_pos, tables,
+                   lens if seq_lens is None else seq_lens, query_start,
+                   config=cfg.draft_model, backend=cfg.backend, **hints)
 
 
 def prefill(dparams: Params, st: EngineState, batch: StepBatch, cfg: StepConfig,
@@ -84,15 +85,10 @@ def prefill(dparams: Params, st: EngineState, batch: StepBatch, cfg: StepConfig,
     """A ragged step's tokens through the draft too (run_step, after the reserve): prompts
     reach the draft where they reach the model, so a verify step's catch-up is the one or two
     tokens since the last verify (more only after decode windows, which skip the draft)."""
-    slots = batch.row_slots
-    seq_lens = jnp.where(slots >= 0, st.table.seq_lens[jnp.clip(slots, 0)], 0)
-    seq_ids = jnp.where(batch.token_rows >= 0, slots[jnp.clip(batch.token_rows, 0)], -1)
-    cache_pos = pt.cache_positions(st.table, seq_ids, batch.positions)
-    tables = st.table.block_tables[jnp.clip(slots, 0)][:, :shape.max_pages]
-    _, cache = forward(dparams, st.draft, batch.token_ids, batch.positions, cache_pos, tables,
-                       seq_lens, batch.query_start, config=cfg.draft_model, max_q=shape.max_q,
-                       backend=cfg.backend, max_q_rows=shape.max_q_rows,
-                       decode_pages=shape.decode_pages)
+    _, cache = _draft_forward(dparams, st, cfg, shape, batch.row_slots, batch.token_ids,
+                              batch.positions, batch.token_rows, batch.query_start,
+                              max_q=shape.max_q, max_q_rows=shape.max_q_rows,
+                              decode_pages=shape.decode_pages)
     return dataclasses.replace(st, draft=cache)
 
 
@@ -118,15 +114,15 @@ def propose(dparams: Params, st: EngineState, batch: StepBatch, dbatch: DraftBat
     slots, r = batch.row_slots, batch.row_slots.shape[0]
     live = slots >= 0
     view = smp.rows_view(st.sampling, slots, False, flags.bias)
-    logits, cache = _draft_forward(
+    logits, cache = _draft_forward(  # the host gives padding rows length 0
         dparams, st, cfg, shape, slots, dbatch.token_ids, dbatch.positions, dbatch.token_rows,
-        jnp.where(live, dbatch.seq_lens, 0), dbatch.query_start, shape.draft_q)
+        dbatch.query_start, dbatch.seq_lens, max_q=shape.draft_q)
     st = dataclasses.replace(st, draft=cache)
     first, q0 = _draw(logits, view, 0, flags)
     pos0 = batch.positions[jnp.clip(batch.query_start[:-1], 0, batch.positions.shape[0] - 1)]
     drafts = jnp.zeros((r, k), jnp.int32).at[:, 0].set(first)
     qs = None if q0 is None else jnp.zeros((r, k, q0.shape[1]), jnp.float32).at[:, 0].set(q0)
-    rows = jnp.arange(r, dtype=jnp.int32)
+    rows, one_each = jnp.arange(r, dtype=jnp.int32), jnp.arange(r + 1, dtype=jnp.int32)
 
     def step(j, carry):  # feed draft j (position pos0 + j), draw draft j + 1
         st, drafts, qs = carry
@@ -134,8 +130,7 @@ def propose(dparams: Params, st: EngineState, batch: StepBatch, dbatch: DraftBat
         pos = pos0 + j
         logits, cache = _draft_forward(
             dparams, st, cfg, shape, jnp.where(on, slots, -1), drafts[:, j - 1], pos,
-            jnp.where(on, rows, -1), jnp.where(on, pos + 1, 0),
-            jnp.arange(r + 1, dtype=jnp.int32), 1)
+            jnp.where(on, rows, -1), one_each, jnp.where(on, pos + 1, 0), max_q=1)
         tok, q = _draw(logits, view, j, flags)
         drafts = drafts.at[:, j].set(tok)
         qs = None if qs is None else qs.at[:, j].set(q)

@@ -40,7 +40,7 @@ import numpy as np
 from paged_jax.cache.config import CacheConfig
 from paged_jax.cache.ops import no_ops
 from paged_jax.cache.prefix_cache import Hit, PrefixCache
-from paged_jax.engine.mirror import check_manager
+from paged_jax.engine.mirror import Mirror, check_manager
 from paged_jax.engine.plan import Admit, Sent
 from paged_jax.engine.sequence import Request, Sequence
 from paged_jax.sizes import cdiv
@@ -203,14 +203,12 @@ class KVManager:
         self.make_room(self._need)
 
     def settled(self, req: Request) -> bool:
-        """Whether none of the request's slots still has a release queued (a request
-        preempted in this plan comes back in a later one)."""
+        """No slot of the request has a release queued (a preempted one comes back later)."""
         return all(s.slot not in self._release for s in req.seqs)
 
     def bring_live(self, seqs: list[Sequence]) -> tuple[list[Admit], list[tuple]]:
         """Slots going live in the next call: (admissions, with their prefix hits and no
-        seeds yet; swap-ins (slot, tokens, host K/V parts) the runner restores after the
-        call's ops)."""
+        seeds yet; swap-ins (slot, tokens, host K/V parts) restored after the call's ops)."""
         admits, restores = [], []
         for seq in seqs:
             if self.slot_live[seq.slot]:
@@ -284,10 +282,10 @@ class KVManager:
             if n:
                 seq.maybe_shared_last = False
 
-    @staticmethod
-    def advance_draft(seq: Sequence, catchup: tuple[int, int], drafts: int, start: int) -> None:
-        """After a verify call with a draft model (engine/draft.py): the draft read its
-        catch-up; if it drafted, it also holds drafts 1 .. drafts - 1 that were kept."""
+    def advance_draft(self, seq: Sequence, catchup: tuple[int, int], drafts: int,
+                      start: int) -> None:
+        """After a verify call with a draft model (draft.py): the draft read its catch-up
+        (and, if it drafted, holds those of its drafts 1 .. drafts - 1 that were kept)."""
         first, n = catchup
         seq.draft_computed = min(seq.num_computed, start + drafts) if drafts else first + n
 
@@ -396,5 +394,7 @@ class KVManager:
         """Host copies of the sequence's blocks: K, V (and their scales when quantized)."""
         return self.device.read_blocks(seq.slot, cdiv(seq.num_computed, self.config.block_size))
 
-    def check(self) -> None:
-        check_manager(self)  # this host mirror equals the device (engine/mirror.py)
+    def check(self) -> None:  # this host mirror equals the device (engine/mirror.py)
+        check_manager(Mirror(self.num_free, self.slot_live, self.owners, self.prefix,
+                             self._release, self._forks, self._evict, self._unmark),
+                      self.device, self.in_flight())

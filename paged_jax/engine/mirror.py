@@ -60,15 +60,13 @@ def mirror_errors(kv: Mirror, pool: BlockPool, table: PageTable) -> list[str]:
     return errors
 
 
-def check_manager(kv) -> None:
+def check_manager(mirror: Mirror, device, in_flight: bool) -> None:
     """Asserts a KV manager's host mirror equals the device: free count, live slots, lengths,
     cached and evictable blocks, and the allocator invariants (reads the device; tests call
     it after every step, with no call in flight)."""
-    if kv._outstanding:
+    if in_flight:
         raise InvariantError("a call's output is unread: the mirror is not exact yet")
-    pool, table = kv.device.snapshot()
+    pool, table = device.snapshot()
     check_invariants(pool, table)
-    mirror = Mirror(kv.num_free, kv.slot_live, kv.owners, kv.prefix, kv._release, kv._forks,
-                    kv._evict, kv._unmark)
     if errors := mirror_errors(mirror, pool, table):
         raise InvariantError("host mirror != device: " + "; ".join(errors))

@@ -94,14 +94,10 @@ def forward_rows(
     Attention sees only the first `max_pages` pages of each row (a static bucket covering the
     longest sequence in the step), so short contexts do not pay for max_model_len.
     """
-    table = state.table
-    slots = jnp.clip(batch.row_slots, 0)
-    seq_ids = jnp.where(batch.token_rows >= 0, batch.row_slots[batch.token_rows], -1)
-    cache_pos = pt.cache_positions(table, seq_ids, batch.positions)
-    seq_lens = jnp.where(batch.row_slots >= 0, table.seq_lens[slots], 0)
+    cache_pos, tables, seq_lens = pt.row_paging(state.table, batch.row_slots, batch.token_rows,
+                                                batch.positions, shape.max_pages)
     every = shape.prompt_top is not None or shape.verify > 0
-    args = (batch.token_ids, batch.positions, cache_pos,
-            table.block_tables[slots][:, :shape.max_pages], seq_lens, batch.query_start)
+    args = (batch.token_ids, batch.positions, cache_pos, tables, seq_lens, batch.query_start)
     kw = dict(max_q=shape.max_q, backend=cfg.backend, max_q_rows=shape.max_q_rows,
               decode_pages=shape.decode_pages, all_logits=every, with_hidden=shape.hidden)
     logits, cache = parallel.sharded_forward(  # plain `forward` without a mesh
