@@ -89,11 +89,31 @@ def run(llm, ids: list[list[int]], tokens: int) -> dict:
                 draft_tokens=drafted, accepted=accepted)
 
 
+def warm(sides: dict, tok, workload: str, batch: int, tokens: int, most: int = 4) -> int:
+    """Untimed passes over fresh prompts (10,000 on) until one builds no XLA program (at
+    most `most`): a verify step's shape depends on how many drafts the last one kept, so
+    one pass can miss shapes a timed round then compiles. Returns the passes run."""
+    from paged_jax.serve.metrics import compiles
+
+    for i in range(most):
+        before = compiles().count
+        for llm in sides.values():
+            run(llm, prompts(tok, workload, batch, offset=10_000 + i * batch), tokens)
+        if compiles().count == before:
+            return i + 1
+    return most
+
+
 def cell(sides: dict, tok, workload: str, batch: int, rounds: int, tokens: int,
          offset: int = 0) -> dict:
-    """Every side on the same prompts (from `offset` on), rotating the order each round."""
+    """Every side on the same prompts (from `offset` on), rotating the order each round,
+    after `warm`; the programs built while timing are counted (0 unless a round met a shape
+    the warm-up did not)."""
+    from paged_jax.serve.metrics import compiles
+
     names = list(sides)
     runs = {n: [] for n in names}
+    passes, built = warm(sides, tok, workload, batch, tokens), compiles().count
     for r in range(rounds):
         ids = prompts(tok, workload, batch, offset=offset + r * batch)
         for n in names[r % len(names):] + names[:r % len(names)]:
@@ -110,7 +130,8 @@ def cell(sides: dict, tok, workload: str, batch: int, rounds: int, tokens: int,
                       vs_plain=common.compare(tok_s, plain), acceptance=acc / drafted
                       if drafted else None, mean_acceptance_length=1 + acc / drafts
                       if drafts else None, greedy_same_rounds=same, rounds=rounds,
-                      output_tokens=sum(len(t) for x in rs for t in x["tokens"]))
+                      output_tokens=sum(len(t) for x in rs for t in x["tokens"]),
+                      warm_up_passes=passes, programs_built_timed=compiles().count - built)
     return out
 
 
@@ -141,9 +162,6 @@ def main(argv: list[str] | None = None) -> dict:
         sides = {n: sides.get(n) or make(parts, k, max(a.batches), a.kv_mib)
                  for n, k in want.items()}
         for w in a.workloads:
-            # warm-up: the compiled programs a round meets (not timed)
-            for llm in sides.values():
-                run(llm, prompts(tok, w, batch, offset=10_000), a.tokens)
             results[f"{w} batch {batch}"] = got = cell(sides, tok, w, batch, a.rounds,
                                                        a.tokens)
             print(f"{w} batch {batch}: " + ", ".join(

@@ -2,7 +2,7 @@
 plain decoding of the 1.5B, alternating in one run.
 
     python -m experiments.speculative_draft [--target qwen2.5-coder-1.5b]
-        [--draft qwen2.5-coder-0.5b] [--rounds 3] [--ks 2 3 4]
+        [--draft qwen2.5-coder-0.5b] [--rounds 4] [--ks 2 3 4]
         [--quantizations int4 int8 none] [--batches 1 4 16] [--tokens 128]
 
 Workloads as experiments/speculative.py (chat, the issue's; code-edit beside it at batch 1),
@@ -19,7 +19,9 @@ At batch 1 every k with the first quantization and the middle k with the others;
 batches the judged side. Per cell: output tok/s (median and spread of the rounds, a verdict
 against plain), acceptance (accepted / draft tokens) and the mean acceptance length, which
 is the limit: tokens per target forward, the speedup if drafting cost nothing and a verify
-step cost one plain step. No peer: vLLM's CPU build and llama.cpp are not run here.
+step cost one plain step. Beside them, time to first token at batch 1 with and without the
+draft (its prefill runs in the same steps). No peer: vLLM's CPU build and llama.cpp are not
+run here.
 Writes results/speculative_draft.json and .png.
 """
 
@@ -29,7 +31,7 @@ import argparse
 import gc
 
 from experiments import common
-from experiments.speculative import VERDICT, bar_verdicts, cell, not_slower, plot, prompts, run
+from experiments.speculative import VERDICT, bar_verdicts, cell, not_slower, plot, prompts
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 JUDGED = "draft 3 int4"  # picked in a probe (chat prompts 0-2, 64 tokens) before this run
@@ -65,7 +67,7 @@ def parse(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=TARGET)
     ap.add_argument("--draft", default=DRAFT)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--quantizations", nargs="+", default=["int4", "int8", "none"])
@@ -91,8 +93,6 @@ def main(argv: list[str] | None = None) -> dict:
         for w in ["chat", "code-edit"] if batch == 1 else ["chat"]:
             names = side_names(a, batch) if w == "chat" else ("plain", JUDGED)
             here = {n: sides[n] for n in names}
-            for llm in here.values():  # warm-up: the programs a round meets (not timed)
-                run(llm, prompts(tok, w, batch, offset=10_000), a.tokens)
             got = cell(here, tok, w, batch, a.rounds, a.tokens, a.offset)
             results[f"{w} batch {batch}"] = got
             print(f"{w} batch {batch}: " + ", ".join(
@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{c['mean_acceptance_length'] or 1:.2f}, same {c['greedy_same_rounds']}/"
                 f"{c['rounds']})" for n, c in got.items()), flush=True)
     payload = dict(target=a.target, draft=a.draft, judged=JUDGED, rounds=a.rounds, tokens=a.tokens,
+                   ttft=ttft({n: sides[n] for n in ("plain", JUDGED)}, tok, a.offset),
                    batches=a.batches, ks=a.ks, quantizations=a.quantizations, offset=a.offset,
                    disable_by_batch_size=a.disable_by_batch_size, cells=results,
                    peer="none run (vLLM's CPU build, llama.cpp)", targets=targets(results))
@@ -109,6 +110,29 @@ def main(argv: list[str] | None = None) -> dict:
     payload["json"] = str(common.save_json("speculative_draft", payload))
     payload["png"] = str(plot(results, "speculative_draft", "speedup over plain decoding (1.5B)"))
     return payload
+
+
+def ttft(sides: dict, tok, offset: int, runs: int = 5) -> dict:
+    """Time to first token at batch 1 (chat prompts, max_tokens 1), the sides alternating
+    on the same prompts: the draft's prefill runs beside the target's, which this prices."""
+    import statistics
+    import time
+
+    from paged_jax import SamplingParams
+
+    sp, got = SamplingParams(temperature=0.0, max_tokens=1), {n: [] for n in sides}
+    for i in range(runs + 1):  # the first pass compiles the prefill shapes (not kept)
+        ids = prompts(tok, "chat", 1, offset=offset + i)
+        for n in list(sides)[i % 2:] + list(sides)[:i % 2]:
+            t0 = time.perf_counter()
+            sides[n].generate([{"prompt_token_ids": ids[0]}], sp, use_tqdm=False)
+            if i:
+                got[n].append(time.perf_counter() - t0)
+    out = {n: dict(seconds=statistics.median(v), spread=common.spread(v), runs=v)
+           for n, v in got.items()}
+    print("ttft batch 1: " + ", ".join(f"{n} {c['seconds']:.3f} +- {c['spread']:.3f} s"
+                                       for n, c in out.items()), flush=True)
+    return out
 
 
 def targets(results: dict) -> dict:
