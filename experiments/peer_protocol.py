@@ -3,6 +3,9 @@
     worker -> {"ready": true, "versions": {...}, "settings": {...}}     once, after loading
     driver -> {"op": "run", "prompts": [[ids], ...], "tokens": N}
     worker -> {"seconds": s, "tokens": [[ids], ...]}                     or {"error": "..."}
+    driver -> {"op": "generate", "prompts": [...], "max_tokens": [N, ...],
+               "constraints": [{structured-output fields} or None, ...]}  (vLLM only)
+    worker -> {"seconds": s, "tokens": [[ids], ...], "texts": [str, ...]}
     driver -> {"op": "score", "ids": [ids]}                              (llama.cpp only)
     worker -> {"nll": [-log p(ids[i + 1] | ids[:i + 1]) for each i]}
     driver -> {"op": "quit"}

@@ -50,6 +50,23 @@ def export_hf_folder(model: str | None = None) -> Path:
     return out
 
 
+def generate(llm, cmd: dict) -> dict:
+    """The "generate" op (experiments/structured_outputs.py): greedy, each prompt with its own
+    max_tokens and structured-output constraint (vLLM's StructuredOutputsParams fields; None:
+    unconstrained, ignore_eos, exactly max_tokens)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    sps = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=c is None,
+                          structured_outputs=None if c is None else StructuredOutputsParams(**c))
+           for n, c in zip(cmd["max_tokens"], cmd["constraints"], strict=True)]
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sps, use_tqdm=False)
+    return dict(seconds=time.perf_counter() - t0,
+                tokens=[list(o.outputs[0].token_ids) for o in outs],
+                texts=[o.outputs[0].text for o in outs])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
@@ -60,6 +77,8 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--block-size", type=int, default=32)  # vLLM CPU: multiples of 32
     ap.add_argument("--kv-gib", type=int, default=1)
+    ap.add_argument("--structured-backend", default="auto",
+                    help="vLLM's structured_outputs_config backend (auto, xgrammar, guidance)")
     a = ap.parse_args()
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(a.kv_gib)
     from importlib import metadata
@@ -72,9 +91,12 @@ def main() -> None:
                     kv_cache_gib=a.kv_gib)
     llm = LLM(model=str(export_hf_folder(a.model)), dtype=a.dtype, max_model_len=a.max_len,
               max_num_seqs=a.max_seqs, max_num_batched_tokens=a.max_tokens_per_step,
-              block_size=a.block_size, enable_prefix_caching=a.prefix_caching, seed=0)
+              block_size=a.block_size, enable_prefix_caching=a.prefix_caching, seed=0,
+              structured_outputs_config={"backend": a.structured_backend})
 
     def run(cmd: dict) -> dict:
+        if cmd.get("op") == "generate":
+            return generate(llm, cmd)
         sp = SamplingParams(temperature=0.0, max_tokens=cmd["tokens"], ignore_eos=True)
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp,

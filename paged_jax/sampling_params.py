@@ -8,10 +8,87 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json as json_lib
 import math
 
 _SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy (vLLM's rule): dividing by them would overflow."""
+
+
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's `StructuredOutputsParams`): exactly one of
+    `json`, `regex`, `choice`, `grammar`, `json_object`. The engine compiles it when the
+    request is submitted (an invalid schema, regex or grammar is a ValueError there) and
+    masks every token the constraint cannot continue with (paged_jax/sample/grammar.py).
+
+    Attributes:
+      json: a JSON schema (dict or JSON text) the output must validate against.
+      regex: a regular expression the whole output must match.
+      choice: the output is exactly one of these strings.
+      grammar: a context-free grammar, Lark (llguidance's dialect) or GBNF.
+      json_object: any JSON object.
+      disable_any_whitespace: JSON without whitespace between its tokens (vLLM's option);
+        by default JSON may hold any run of spaces, tabs and newlines there.
+      whitespace_pattern: a regex for JSON's whitespace instead (vLLM's option).
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(self.KINDS)}; "
+                             f"got {', '.join(given) or 'none'}.")
+        if isinstance(self.json, str):
+            try:
+                self.json = json_lib.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"structured_outputs.json must be a JSON schema object, got "
+                             f"{type(self.json).__name__}.")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"structured_outputs.{name} must be a string.")
+        if self.choice is not None and not (
+                isinstance(self.choice, list) and self.choice
+                and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty "
+                             f"strings, got {self.choice!r}.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint it is: one of KINDS."""
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> str:
+        """The constraint as canonical text: equal constraints compile once (a cache key)."""
+        value = {"json_object": True}.get(self.kind, getattr(self, self.kind))
+        return json_lib.dumps([self.kind, value, self.disable_any_whitespace,
+                               self.whitespace_pattern], sort_keys=True)
+
+    @classmethod
+    def of(cls, value: StructuredOutputsParams | dict) -> StructuredOutputsParams:
+        """From itself or a dict of its fields (unknown keys are an error naming them)."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, "
+                             f"got {type(value).__name__}.")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(value) - fields):
+            raise ValueError(f"structured_outputs has unknown keys {unknown}; known: "
+                             f"{sorted(fields)}.")
+        return cls(**value)
 
 
 class SamplingType(enum.IntEnum):
@@ -59,6 +136,8 @@ class SamplingParams:
         final norm, [hidden_size] fp32) in RequestOutput.hidden_states: what the model's
         first output token is read from. Not in vLLM (SGLang's request option of this name);
         the router's features use it (paged_jax/routing/features.py).
+      structured_outputs: a constraint on the output (StructuredOutputsParams, or a dict of
+        its fields): JSON schema, regex, choice or grammar.
     """
 
     n: int = 1
@@ -85,9 +164,12 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     return_hidden_states: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.top_k, int) and self.top_k == -1:
             self.top_k = 0  # vLLM accepts both 0 and -1 for "off"; keep one spelling

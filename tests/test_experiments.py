@@ -213,3 +213,26 @@ def test_speculative_runs_every_side_on_the_same_tokens():
             assert side["tok_s"] > 0 and side["greedy_same_rounds"] == 1
     assert data["targets"]["greedy identical"]["verdict"] == "met"
     assert open(data["png"], "rb").read(4) == b"\x89PNG"
+
+
+def test_structured_outputs_measures_validity_speed_compile_and_ttft():
+    """SmolLM2, one round, batch 1 and 2, short outputs: every section and target present,
+    the same lengths on both speed sides (asserted inside), JSON and PNG."""
+    from experiments import structured_outputs
+
+    data = structured_outputs.main(["--models", "smollm2", "--speed-model", "smollm2",
+                                    "--batches", "1", "2", "--rounds", "1", "--variants", "1",
+                                    "--max-tokens", "64", "--ttft-runs", "2", "--kv-mib", "64",
+                                    "--peer", "none"])
+    saved = json.loads(open(data["json"]).read())
+    v = saved["validity"]["smollm2"]
+    assert v["outputs"] == 11 and 0 <= v["valid"] <= 11
+    assert [r["batch"] for r in saved["speed"]] == [1, 2]
+    for r in saved["speed"]:
+        assert r["tok_s"]["ours constrained"] > 0 and r["tok_s"]["ours unconstrained"] > 0
+        assert r["mask_us_per_token"] > 0 and 0 < r["mask_share"] < 1
+    assert set(saved["compile"]["per_constraint_ms"]) == {t.name for t in
+                                                          structured_outputs.TASKS}
+    assert set(saved["ttft"]["seconds"]) == {"unconstrained", "cached schema", "new schema"}
+    assert "valid smollm2" in saved["targets"] and "new schema <= 50 ms" in saved["targets"]
+    assert open(data["png"], "rb").read(4) == b"\x89PNG"

@@ -50,6 +50,7 @@ from paged_jax.engine.kv_manager import copies_on_write
 from paged_jax.engine.plan import Admit, Plan
 from paged_jax.engine.sequence import Sequence
 from paged_jax.engine.step import Admissions, StepBatch, StepShape
+from paged_jax.sample import grammar
 from paged_jax.sample import sampler as smp
 from paged_jax.sizes import cdiv, next_half_octave, next_pow2
 
@@ -98,6 +99,11 @@ def build(plan: Plan, ec, eos_ids: list[int], vocab_size: int, backend: str) -> 
     ops = build_ops(plan.ops, ec)
     if not plan.chunks:
         return Call("ops", [], ops)
+    if any(s.matcher is not None and (plan.window or plan.drafts or s.num_placeholders)
+           for s, _ in plan.chunks):
+        raise RuntimeError("a constrained sequence was planned into a decode window, a verify "
+                           "step or ahead of its last token: its mask cannot be known "
+                           "(a scheduler bug)")
     if plan.window:
         row_slots, tokens, shape, rows = build_window(plan, ec, backend)
         return Call("window", rows, ops, shape, window=(row_slots, tokens))
@@ -148,8 +154,9 @@ PAGED_COST_BACKENDS = ("reference", "pallas")
 
 
 def _flags(rows: list[Sequence], ec) -> smp.SampleFlags:
-    if ec.static_shapes:
-        return smp.SampleFlags(num_top_logprobs=ec.max_logprobs)  # every feature on
+    if ec.static_shapes:  # every feature on but structured outputs' masks (sent when needed)
+        return smp.SampleFlags(num_top_logprobs=ec.max_logprobs,
+                               grammar=any(s.matcher is not None for s in rows))
     reqs = {id(s.owner): s.owner for s in rows}.values()
     return smp.SampleFlags.of([r.params for r in reqs], ec.max_logprobs)
 
@@ -236,13 +243,24 @@ def build_step(
         shape = dataclasses.replace(shape, prompt_top=ec.max_logprobs)
     if any(seq.wants_hidden(n) for seq, n in chunks):
         shape = dataclasses.replace(shape, hidden=True)
+    masks = _masks(rows, sample, vocab_size, eos_ids) if shape.flags.grammar else None
     arrays = (tok, pos, rows_of, row_slots, qs, sample, fs, fd, fi, next_ids)
     # A decode-only step with nothing to admit (the async hot loop) sends no admission rows:
     # a program of its own, and a dozen fewer host -> device copies per step.
     none = not plan.admits and (shape.max_q == 1 or plan.drafts) and not ec.static_shapes
     admit = None if none else build_admissions(plan.admits, ec, shape.flags, eos_ids,
                                                vocab_size)
-    return StepBatch(*arrays[:-1], admit=admit, next_ids=arrays[-1]), shape, forks, rows
+    return (StepBatch(*arrays[:-1], admit=admit, next_ids=arrays[-1], masks=masks), shape,
+            forks, rows)
+
+
+def _masks(rows: list[Sequence], sample: np.ndarray, vocab_size: int,
+           eos_ids: list[int]) -> np.ndarray:
+    """Structured outputs: the allowed-token bitmasks of the rows that sample under a
+    constraint (all ones elsewhere), made on the host before the call is sent."""
+    return grammar.fill_masks([(s.matcher, i) for i, s in enumerate(rows)
+                               if s.matcher is not None and sample[i]], len(sample),
+                              vocab_size, eos_ids)
 
 
 def _step_buckets(chunks: list[tuple[Sequence, int]], num_rows: int, ec,

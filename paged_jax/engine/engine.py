@@ -17,7 +17,9 @@ Async scheduling (EngineConfig.async_scheduling, vLLM's name) reads each step on
 
 A sequence that step n finishes (stop token, stop string, abort) may compute one more token in
 step n+1, which is discarded. What needs exact counts waits for the step in flight first: a
-plan that would preempt, an n > 1 request forking, beam search, an engine going idle.
+plan that would preempt, an n > 1 request forking, beam search, an engine going idle; and
+while a request with structured outputs runs, no step is planned ahead at all (its next
+mask follows from the token the step in flight samples).
 
 Who owns what: the scheduler the queues, sequence states and a step's results; the KV
 manager every host fact of the KV cache (slots, free counts, prefix cache, queued ops); the
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from paged_jax.engine import input as inp
 from paged_jax.engine.config import EngineConfig
+from paged_jax.engine.constraints import Constraints
 from paged_jax.engine.kv_manager import KVManager
 from paged_jax.engine.plan import Plan
 from paged_jax.engine.policy import Policy
@@ -110,6 +113,7 @@ class Engine:
         self._in_flight: tuple[Plan, Pending] | None = None  # async: sent, not read yet
         self.stats: collections.deque[StepStats] = collections.deque(maxlen=RECENT_STEPS)
         self.recorder: list[StepStats] | None = None
+        self.constraints = Constraints(tokenizer, config.vocab_size)  # structured outputs
 
     @property
     def state(self):
@@ -140,6 +144,8 @@ class Engine:
         req = inp.make_request(request_id, prompt, params or SamplingParams(), self.tokenizer,
                                self.config, self.model_config,
                                arrival_time if arrival_time is not None else time.time())
+        if req.params.structured_outputs is not None:
+            self.constraints.attach(req)  # ValueError when it is invalid
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -173,11 +179,13 @@ class Engine:
         """Runs one scheduled step (or decode window); returns outputs of touched requests
         (with async scheduling: sends the next step, then reads the one before)."""
         t0, preempted = time.perf_counter(), self.scheduler.num_preempted
-        if self.config.async_scheduling:
+        if self.config.async_scheduling and not self.scheduler.constrained_running():
             plan, out, touched = self._step_ahead()
-        else:
+        else:  # a constrained row's mask needs its last token: nothing is planned ahead
+            touched = self._drain()
             plan = self.scheduler.schedule()
-            out, touched = self._read(plan, self._send(plan))
+            out, news = self._read(plan, self._send(plan))
+            touched = list(dict.fromkeys(touched + news))
         self.settle()
         self._record(t0, plan, out, preempted)
         return self._outputs(touched)

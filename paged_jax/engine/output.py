@@ -110,6 +110,19 @@ def hidden_states(rows: list[Sequence], wanted: set[int], hidden: np.ndarray) ->
             seq.owner.hidden_states = np.array(hidden[i])
 
 
+def constraint_end(seq: Sequence, tokens: list[int]) -> tuple[bool, str | None]:
+    """Advances a constrained sequence's matcher over its new tokens: (whether the output
+    ends, its stop_reason). It ends once the constraint is complete (at once, as at EOS:
+    nothing but EOS could follow; stop_reason None), or when a token broke it (the mask
+    allowed nothing, so only EOS could be sampled; stop_reason says why)."""
+    m = seq.matcher
+    if m is None:
+        return False, None
+    if not m.accept(tokens):
+        return True, f"structured_outputs: {m.error or 'no token was allowed'}"
+    return m.complete, None
+
+
 def emit(seq: Sequence, out: StepOutput, row: int, count: int,
          tok: Tokenizer | None) -> tuple[int, bool]:
     """Appends the `count` tokens row `row` sampled (one step's, or one window's).
@@ -138,11 +151,12 @@ def emit(seq: Sequence, out: StepOutput, row: int, count: int,
         seq.cumulative_logprob += float(lps[taken:taken + n].sum())
         if entries is not None:
             seq.logprobs += entries[taken:taken + n]
+        ended, why = constraint_end(seq, toks[taken:taken + n])
         taken += n
         detokenize(seq, params, tok)
         hit = stop_string(seq, params)
-        if hit is not None:
-            seq.finish_reason, seq.stop_reason = "stop", hit
+        if hit is not None or ended:
+            seq.finish_reason, seq.stop_reason = "stop", hit if hit is not None else why
             return taken, True
     if not out.finished[row]:
         return taken, False

@@ -88,6 +88,11 @@ class Plan:
         return bool(self.chunks) and all(n == 1 for _, n in self.chunks)
 
     @property
+    def constrained(self) -> bool:
+        """Some row has structured outputs (its steps carry masks: no window, no drafts)."""
+        return any(s.matcher is not None for s, _ in self.chunks)
+
+    @property
     def empty(self) -> bool:
         """Nothing to run on the device at all."""
         return not self.chunks and self.ops is None

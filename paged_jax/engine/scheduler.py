@@ -200,7 +200,8 @@ class Scheduler:
     def _window(self, plan: Plan) -> bool:
         """Whether a plan runs as a decode window: decodes only, and nothing joins first."""
         if (self.config.decode_window < 2 or self.config.async_scheduling
-                or not plan.decode_only or plan.admitted or self._speculating(plan)):
+                or not plan.decode_only or plan.admitted or self._speculating(plan)
+                or plan.constrained):
             return False
         for s, _ in plan.chunks:
             # a one-token prefill chunk (budget or long-prefill cap) is not a decode; going
@@ -292,6 +293,11 @@ class Scheduler:
         plan.chunks.extend(chunks)
         plan.admitted.append(req)
         return left, free - need
+
+    def constrained_running(self) -> bool:
+        """Whether a running sequence has structured outputs: each of its steps needs a mask
+        made from every token before it, so the engine plans no step ahead (async off)."""
+        return any(s.matcher is not None for r in self.running for s in r.seqs)
 
     # ---- results -------------------------------------------------------------------------
     def sent(self, plan: Plan, children: list[Sequence]) -> None:

@@ -1,9 +1,9 @@
 """Host-side bookkeeping of requests and their sequences (no device arrays here).
 
-Each fact on a sequence has one writer: its tokens, text, logprobs and finish reason the
-output processing (engine/output.py); its status the scheduler; its KV facts (slot,
-num_computed, draft_computed, maybe_shared_last, swapped, prefix_hit, block_hashes) the KV
-manager.
+Each fact on a sequence has one writer: its tokens, text, logprobs, finish reason and
+constraint matcher the output processing (engine/output.py); its status the scheduler; its
+KV facts (slot, num_computed, draft_computed, maybe_shared_last, swapped, prefix_hit,
+block_hashes) the KV manager.
 
 A request owns n sequences (parallel sampling). Each sequence holds its tokens
 (prompt + generated) and how many of them already have K/V in the cache:
@@ -61,6 +61,9 @@ class Sequence:
     read_offset: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Structured outputs: where its tokens are in the request's constraint (sample/grammar.py
+    # Matcher), made at submission, advanced only by the output processing with its tokens.
+    matcher: object = None
     owner: Request | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property

@@ -153,8 +153,9 @@ def add_drafts(plan: Plan, spec: SpeculativeConfig, kv: KVManager, budget: int,
     left and its max_tokens (its last emitted token is always the target's own). With a
     draft model the drafts are placeholders its device loop fills in, and a row first has
     the draft read what it has not seen (Sequence.draft_computed on; at most `catch_up`
-    tokens over the plan): a row that cannot catch up all the way drafts nothing yet."""
-    if (not plan.decode_only or plan.admitted or plan.deferred
+    tokens over the plan): a row that cannot catch up all the way drafts nothing yet. A plan
+    with structured outputs drafts nothing (their masks would follow each draft)."""
+    if (not plan.decode_only or plan.admitted or plan.deferred or plan.constrained
             or not spec.applies(len(plan.chunks))
             or not all(kv.slot_live[s.slot] for s, _ in plan.chunks)):
         return

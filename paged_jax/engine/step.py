@@ -129,10 +129,10 @@ def _fork_children(
 
 def _sample(
     state: EngineState, logits: Float[Array, "R V"], slots: Int[Array, "R"],
-    active: Bool[Array, "R"], flags: smp.SampleFlags,
+    active: Bool[Array, "R"], flags: smp.SampleFlags, masks: Int[Array, "R W"] | None = None,
 ) -> tuple[EngineState, StepOut]:
     rows = smp.rows_view(state.sampling, slots, flags.penalties, flags.bias)
-    res = smp.sample(logits, rows, flags=flags)
+    res = smp.sample(logits, rows, flags=flags, masks=masks)
     sampling = smp.update_rows(state.sampling, slots, res.tokens, active, flags.penalties)
     counted = dataclasses.replace(rows, num_generated=rows.num_generated + active)
     finished, reason = smp.stop_mask(counted, res.tokens)
@@ -222,7 +222,7 @@ def step_body(
     def after(st, logits, prompt, hidden, *_):
         st, logits = _fork_children(st, logits, batch)
         st, out = _sample(st, logits, batch.row_slots, batch.sample & (batch.row_slots >= 0),
-                          shape.flags)
+                          shape.flags, batch.masks)
         return st, dataclasses.replace(out, prompt=prompt, hidden=hidden)
 
     rows, tokens = batch.row_slots.shape[0], batch.token_ids.shape[0]

@@ -27,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from paged_jax.sample import grammar
 from paged_jax.sample.state import (  # noqa: F401 (the state API, re-exported)
     KEY_IMPL,
     MAX_STOP_IDS,
@@ -65,6 +66,9 @@ class SampleFlags:
         it the returned logprobs are 0, as vLLM reports none (cumulative_logprob None).
       num_top_logprobs: J, top logprobs returned per row (0: none).
       bias: some row adds a logit bias row (logit_bias, allowed_token_ids, bad_words).
+      grammar: some row's request has structured outputs: the step carries each row's
+        allowed-token bitmask (sample/grammar.py), applied to the logits first (as vLLM:
+        its logprobs are of the masked distribution too).
     """
 
     random: bool = True
@@ -73,6 +77,7 @@ class SampleFlags:
     logprobs: bool = True
     num_top_logprobs: int = 0
     bias: bool = True
+    grammar: bool = False
 
     @classmethod
     def of(cls, params: list[SamplingParams], num_top_logprobs: int) -> SampleFlags:
@@ -85,7 +90,8 @@ class SampleFlags:
                           or p.presence_penalty != 0.0 for p in params),
             logprobs=any(p.logprobs is not None for p in params),
             num_top_logprobs=num_top_logprobs if any(p.logprobs for p in params) else 0,
-            bias=any(p.has_logit_bias for p in params))
+            bias=any(p.has_logit_bias for p in params),
+            grammar=any(p.structured_outputs is not None for p in params))
 
 
 @jax.tree_util.register_dataclass
@@ -213,7 +219,7 @@ def _gather_logprobs(
 
 def sample(
     logits: Float[Array, "S V"], state: SamplingState, num_top_logprobs: int = 0,
-    flags: SampleFlags | None = None,
+    flags: SampleFlags | None = None, masks: Int[Array, "S W"] | None = None,
 ) -> SampleResult:
     """Samples one token per row from RAW model logits under each row's parameters.
 
@@ -229,11 +235,13 @@ def sample(
       num_top_logprobs: J (static), how many top logprobs to return per row; the host slices
         each request's own `SamplingParams.logprobs` out of it. Ignored when flags are given.
       flags: static features the rows need; None = all (any row may use any feature).
+      masks: [S, W] allowed-token bitmasks (sample/grammar.py), read when flags.grammar.
 
     Returns:
       SampleResult with tokens [S], logprobs [S], ranks [S], top_ids / top_logprobs [S, J].
     """
     flags = flags or SampleFlags(num_top_logprobs=num_top_logprobs)
+    logits = constrained(logits, flags, masks)
     processed = _processed(logits, state, flags)
     greedy = jnp.argmax(processed, axis=1).astype(jnp.int32)
     tokens = greedy
@@ -256,6 +264,16 @@ def with_logprobs(logits: Float[Array, "S V"], tokens: Int[Array, "S"],
     """`tokens` with their raw logprobs, ranks and the top J (what `sample` reports)."""
     chosen, ranks, top_ids, top_lp = _gather_logprobs(logits, tokens, flags.num_top_logprobs)
     return SampleResult(tokens, chosen, ranks, top_ids, top_lp)
+
+
+def constrained(logits: Float[Array, "S V"], flags: SampleFlags,
+                masks: Int[Array, "S W"] | None) -> Float[Array, "S V"]:
+    """The logits under the rows' structured-output masks (as they are without the flag)."""
+    if not flags.grammar:
+        return logits
+    if masks is None:
+        raise ValueError("a step whose flags have grammar needs its rows' masks")
+    return grammar.apply_mask(logits, masks)
 
 
 def _processed(logits: Float[Array, "S V"], state: SamplingState,

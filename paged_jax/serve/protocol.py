@@ -28,8 +28,13 @@ _SAMPLING = dict(n="n", temperature="temperature", top_p="top_p", seed="seed", s
 # vLLM's extra body fields, same names as SamplingParams.
 _EXTRA = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
           "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids", "bad_words")
+# Structured outputs: OpenAI's response_format, vLLM's structured_outputs extra body field
+# and its older guided_* fields.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+_STRUCTURED = {"response_format", "structured_outputs", *_GUIDED}
 _COMMON = {"model", "stream", "stream_options", "user", "max_tokens", "logit_bias",
-           *_SAMPLING, *_EXTRA}
+           *_SAMPLING, *_EXTRA, *_STRUCTURED}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 
@@ -61,10 +66,47 @@ def sampling_params(body: dict, logprobs: int | None, max_tokens: int | None = 1
         except (TypeError, ValueError, AttributeError) as e:
             raise BadRequest(f"logit_bias must map token ids to numbers: {e}",
                              "logit_bias") from None
+    if (constraint := structured_outputs(body)) is not None:
+        kw["structured_outputs"] = constraint
     try:
         return SamplingParams(**kw, logprobs=logprobs)
     except (TypeError, ValueError) as e:
         raise BadRequest(str(e)) from None
+
+
+def structured_outputs(body: dict) -> dict | None:
+    """The body's output constraint as StructuredOutputsParams fields (None: none), from at
+    most one of response_format, structured_outputs and the guided_* fields."""
+    given = sorted(k for k in _STRUCTURED if body.get(k) is not None
+                   and body.get(k) != {"type": "text"})
+    if len(given) > 1:
+        raise BadRequest(f"give one output constraint, not {', '.join(given)}", given[1])
+    if not given:
+        return None
+    name, value = given[0], body[given[0]]
+    if name in _GUIDED:
+        return {_GUIDED[name]: value}
+    if name == "structured_outputs":
+        if not isinstance(value, dict):
+            raise BadRequest("structured_outputs must be an object", name)
+        return value
+    return response_format(value)
+
+
+def response_format(value) -> dict:
+    """OpenAI's response_format: {"type": "json_object"} or {"type": "json_schema",
+    "json_schema": {"name": ..., "schema": {...}, "strict": ...}}."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise BadRequest("response_format json_schema needs json_schema.schema, a JSON "
+                             "schema object", "response_format")
+        return {"json": spec["schema"]}
+    raise BadRequest(f"response_format type must be text, json_object or json_schema, got "
+                     f"{kind!r}", "response_format")
 
 
 def completion_request(body: dict) -> tuple[list, SamplingParams]:

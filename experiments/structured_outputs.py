@@ -1,0 +1,315 @@
+"""Structured outputs (JSON schema, regex, choice) against unconstrained generation of the same
+prompts and lengths, alternating in one run.
+
+    python -m experiments.structured_outputs [--models qwen2.5-coder-0.5b qwen2.5-coder-1.5b]
+        [--speed-model qwen2.5-coder-0.5b] [--batches 1 16 64] [--rounds 3] [--max-tokens 256]
+
+Constraints: experiments/structured_tasks.py (6 JSON schemas with nested objects, enums,
+arrays, number ranges and string patterns; 3 regexes; 2 choices), each asked for by a chat
+prompt, greedy, LLM's defaults otherwise (vLLM's JSON whitespace rule: any between tokens).
+  validity     every task x --variants prompts on each model: the share of outputs that
+               parse and validate (jsonschema / re.fullmatch / membership, not our matcher);
+               an output cut by max_tokens counts as invalid
+  speed        --speed-model at each batch: the constrained requests, and the same prompts
+               unconstrained with max_tokens = each constrained output's length (ignore_eos):
+               the same tokens to generate. Output tok/s (median of --rounds, alternating),
+               the host's mask time per masked token and its share of the wall time. The
+               limit is the unconstrained side (the mask can only add work).
+  compile      each constraint compiled by a fresh compiler (no cache), first mask included;
+               and the compiler's one-off tokenizer table (built in the background at engine
+               start, engine/constraints.py)
+  ttft         batch 1, max_tokens 1: unconstrained, a cached schema, a schema never seen
+               before (a new one each run), alternating; medians and per-round differences.
+Peer: vLLM's CPU build (`make peers`; its default structured-output backend) on the same
+prompts, both its sides timed in the same rotation, its unconstrained side on its own
+constrained lengths, and the share of its constrained outputs that obey (--peer none: ours
+only).
+Writes results/structured_outputs.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from experiments import common
+from experiments.structured_tasks import TASKS, fresh_schema, requests
+
+BAR, NEW_SCHEMA_MS = 0.9, 50.0  # the issue's: >= 0.9x unconstrained; a new schema <= 50 ms
+
+
+def ids_of(tok, pairs) -> list[list[int]]:
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t.prompt(i)}],
+                                               add_generation_prompt=True)) for t, i in pairs]
+
+
+def ours(llm):
+    """paged-jax's generate(prompts, max_tokens list, constraints list) -> (seconds, token
+    lists, texts): greedy; an unconstrained prompt runs exactly its max_tokens."""
+    from paged_jax import SamplingParams
+
+    def gen(ids, most, constraints):
+        sps = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=c is None,
+                              structured_outputs=c) for n, c in zip(most, constraints,
+                                                                    strict=True)]
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in ids], sps, use_tqdm=False)
+        return (time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs],
+                [o.outputs[0].text for o in outs])
+    return gen
+
+
+def vllm(worker):
+    """The same for vLLM's CPU build (experiments/peer_vllm.py's "generate")."""
+    def gen(ids, most, constraints):
+        got = worker.call("generate", prompts=ids, max_tokens=most, constraints=constraints)
+        return got["seconds"], got["tokens"], got["texts"]
+    return gen
+
+
+def validity(llm, tok, variants: int, max_tokens: int) -> dict:
+    pairs = requests(len(TASKS) * variants)
+    _, toks, texts = ours(llm)(ids_of(tok, pairs), [max_tokens] * len(pairs),
+                               [t.constraint for t, _ in pairs])
+    return judged(pairs, texts) | dict(mean_tokens=statistics.mean(map(len, toks)))
+
+
+def judged(pairs, texts: list[str]) -> dict:
+    """The share of outputs that obey their task's constraint, per task and overall."""
+    per: dict[str, list[bool]] = {}
+    for (t, _), text in zip(pairs, texts, strict=True):
+        per.setdefault(t.name, []).append(t.valid(text))
+    bad = [dict(task=t.name, text=x) for (t, _), x in zip(pairs, texts, strict=True)
+           if not t.valid(x)]
+    ok = sum(map(sum, per.values()))
+    return dict(outputs=len(pairs), valid=ok, rate=ok / len(pairs), invalid=bad[:10],
+                per_task={k: sum(v) / len(v) for k, v in per.items()})
+
+
+def timed(fn) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def sides(name: str, gen, pairs, ids, max_tokens: int) -> tuple[dict, list[str]]:
+    """One engine's two timed sides: its constrained requests, and the same prompts
+    unconstrained with max_tokens = each constrained output's length (the same tokens to
+    generate). Each runs once untimed first (the constrained run fixes the lengths); a timed
+    run returns (seconds, tokens). Also the constrained texts."""
+    n = len(ids)
+    cons = [t.constraint for t, _ in pairs]
+    _, toks, texts = gen(ids, [max_tokens] * n, cons)
+    lengths = [len(t) for t in toks]
+
+    def run(most, constraints):
+        s, got, _ = gen(ids, most, constraints)
+        assert [len(t) for t in got] == lengths, name  # greedy: the same every time
+        return s, sum(lengths)
+
+    out = {f"{name} constrained": lambda: run([max_tokens] * n, cons),
+           f"{name} unconstrained": lambda: run(lengths, [None] * n)}
+    out[f"{name} unconstrained"]()
+    return out, texts
+
+
+def speed(llm, tok, batch: int, rounds: int, max_tokens: int, worker=None) -> dict:
+    from paged_jax.sample.grammar import STATS
+
+    pairs = requests(batch)
+    ids = ids_of(tok, pairs)
+    timed_sides, texts = sides("ours", ours(llm), pairs, ids, max_tokens)
+    peer = {}
+    if worker is not None:
+        more, peer_texts = sides("vLLM", vllm(worker), pairs, ids, max_tokens)
+        timed_sides |= more
+        peer = dict(peer_valid=judged(pairs, peer_texts)["rate"])
+    names, runs = list(timed_sides), {n: [] for n in timed_sides}
+    mask_s, masks, wall = 0.0, 0, 0.0
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            before = (STATS.mask_seconds, STATS.masks)
+            s, total = timed_sides[n]()
+            runs[n].append(total / s)
+            if n == "ours constrained":
+                mask_s += STATS.mask_seconds - before[0]
+                masks += STATS.masks - before[1]
+                wall += s
+    med = {n: statistics.median(v) for n, v in runs.items()}
+    ratio = {e: med[f"{e} constrained"] / med[f"{e} unconstrained"] for e in ("ours", "vLLM")
+             if f"{e} constrained" in med}
+    bar = common.compare(runs["ours constrained"],
+                         [BAR * x for x in runs["ours unconstrained"]])
+    return dict(batch=batch, runs=runs, tok_s=med, ratio=ratio, vs_bar=bar,
+                valid=judged(pairs, texts)["rate"], mask_us_per_token=1e6 * mask_s / max(1, masks),
+                mask_share=mask_s / wall) | peer
+
+
+def compile_times(tok, vocab_size: int) -> dict:
+    from paged_jax.sample.grammar import Grammars, fill_masks
+    from paged_jax.sampling_params import StructuredOutputsParams
+
+    s, _ = timed(lambda: Grammars(tok.backend.to_str(), vocab_size, tok.eos_token_ids))
+    out = {"tokenizer_table_s": s, "per_constraint_ms": {}}
+    g = Grammars(tok.backend.to_str(), vocab_size, tok.eos_token_ids)  # its own cache: empty
+    for t in TASKS:
+        spec = StructuredOutputsParams(**t.constraint)
+        s, _ = timed(lambda spec=spec: fill_masks([(g.matcher(g.compile(spec)), 0)], 1,
+                                                  vocab_size, tok.eos_token_ids))
+        out["per_constraint_ms"][t.name] = 1e3 * s
+    out["max_ms"] = max(out["per_constraint_ms"].values())
+    return out
+
+
+def ttft(llm, tok, runs: int) -> dict:
+    from paged_jax import SamplingParams
+
+    ids = ids_of(tok, requests(1))[0]
+    cached = TASKS[0].constraint
+    sides = {"unconstrained": lambda i: None, "cached schema": lambda i: cached,
+             "new schema": lambda i: {"json": fresh_schema(i)}}
+    got = {n: [] for n in sides}
+    for i in range(runs + 1):  # the first round compiles the prefill shapes (not kept)
+        names = list(sides)[i % 3:] + list(sides)[:i % 3]
+        for n in names:
+            sp = SamplingParams(temperature=0.0, max_tokens=1,
+                                structured_outputs=sides[n](10_000 * runs + i))
+            s, _ = timed(lambda sp=sp: llm.generate([{"prompt_token_ids": ids}], sp,
+                                                    use_tqdm=False))
+            if i:
+                got[n].append(s)
+    plain = got["unconstrained"]
+    diff = {n: [1e3 * (a - b) for a, b in zip(v, plain, strict=True)] for n, v in got.items()
+            if n != "unconstrained"}
+    return dict(seconds={n: statistics.median(v) for n, v in got.items()}, runs=got,
+                added_ms={n: statistics.median(v) for n, v in diff.items()}, added_runs=diff,
+                new_schema=common.target_verdict(diff["new schema"], NEW_SCHEMA_MS, False),
+                cached_vs_unconstrained=common.compare(plain, got["cached schema"]))
+
+
+def make(parts, a):
+    from paged_jax import LLM
+
+    return LLM(model_parts=parts, enable_prefix_caching=False, max_num_seqs=max(a.batches),
+               max_num_batched_tokens=512, max_model_len=1024, kv_cache_memory=a.kv_mib << 20)
+
+
+def parse(argv: list[str] | None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+    ap.add_argument("--speed-model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", type=int, default=4, help="prompts per task (validity)")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--ttft-runs", type=int, default=5)
+    ap.add_argument("--kv-mib", type=int, default=1024)
+    ap.add_argument("--peer", choices=["vllm", "none"], default="vllm",
+                    help="vLLM's CPU build beside ours in the speed rows (`make peers`)")
+    return ap.parse_args(argv)
+
+
+def peer(a, model: str):
+    """vLLM's worker on the speed model (None when not asked for or not installed)."""
+    from experiments.bench import ROOT, _installed
+    from experiments.peer_protocol import Worker
+
+    python = ROOT / ".venv-vllm" / "bin" / "python"
+    if a.peer != "vllm" or not _installed(python, "vllm"):
+        return None
+    import os
+
+    return Worker([str(python), str(ROOT / "experiments/peer_vllm.py"), "--model", model,
+                   "--max-seqs", str(max(a.batches)), "--max-len", "1024",
+                   "--kv-gib", str(max(1, a.kv_mib >> 10))],
+                  env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=str(ROOT))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import gc
+
+    from paged_jax.models import load_model
+
+    a = parse(argv)
+    out: dict = dict(models=a.models, speed_model=a.speed_model, batches=a.batches,
+                     rounds=a.rounds, max_tokens=a.max_tokens, validity={}, speed=[])
+    for name in dict.fromkeys([a.speed_model, *a.models]):
+        parts = load_model(name)
+        llm, tok = make(parts, a), parts[2]
+        if name in a.models:
+            out["validity"][name] = v = validity(llm, tok, a.variants, a.max_tokens)
+            print(f"{name}: {v['valid']}/{v['outputs']} valid, per task {v['per_task']}",
+                  flush=True)
+        if name == a.speed_model:
+            out["compile"] = compile_times(tok, parts[0].vocab_size)
+            print(f"compile: {out['compile']}", flush=True)
+            worker = peer(a, name)
+            out["peer"] = None if worker is None else dict(
+                name="vLLM (CPU build)", versions=worker.versions, settings=worker.settings)
+            for b in a.batches:
+                out["speed"].append(row := speed(llm, tok, b, a.rounds, a.max_tokens, worker))
+                print(f"batch {b}: " + ", ".join(f"{n} {v:.1f}" for n, v in
+                                                 row["tok_s"].items())
+                      + f" tok/s; constrained / unconstrained {row['ratio']} "
+                      f"({row['vs_bar']['verdict']} vs {BAR}x), mask "
+                      f"{row['mask_us_per_token']:.0f} us/token, "
+                      f"{100 * row['mask_share']:.1f}% of wall", flush=True)
+            if worker is not None:
+                worker.close()
+            out["ttft"] = t = ttft(llm, tok, a.ttft_runs)
+            print(f"ttft: {t['seconds']}, added ms {t['added_ms']}", flush=True)
+        del llm, parts
+        gc.collect()
+    out["targets"] = targets(out)
+    for k, v in out["targets"].items():
+        print(f"target {k}: {v}")
+    out["json"] = str(common.save_json("structured_outputs", out))
+    out["png"] = str(plot(out))
+    return out
+
+
+VERDICT = {"higher": "met", "lower": "not met"}
+
+
+def targets(out: dict) -> dict:
+    """The issue's: every output valid on every model; constrained >= 0.9x unconstrained at
+    batch 16 and 64 (its runs against 0.9 x the other side's, beyond both spreads); a new
+    schema adds <= 50 ms to TTFT (per-round differences against the bar, beyond their
+    spread); a cached one nothing measurable (not separable from unconstrained)."""
+    t = {f"valid {m}": dict(rate=v["rate"], verdict="met" if v["rate"] == 1 else "not met")
+         for m, v in out["validity"].items()}
+    for row in out["speed"]:
+        if row["batch"] in (16, 64):
+            t[f"batch {row['batch']} >= {BAR}x"] = dict(
+                ratio=row["ratio"]["ours"], verdict=VERDICT.get(row["vs_bar"]["verdict"],
+                                                        "not separable"))
+    if "ttft" in out:
+        t[f"new schema <= {NEW_SCHEMA_MS:.0f} ms"] = dict(
+            added_ms=out["ttft"]["added_ms"]["new schema"],
+            verdict=out["ttft"]["new_schema"]["verdict"])
+        c = out["ttft"]["cached_vs_unconstrained"]
+        t["cached schema adds nothing measurable"] = dict(
+            added_ms=out["ttft"]["added_ms"]["cached schema"],
+            verdict="met" if c["verdict"] == "not separable" or c["verdict"] == "higher"
+            else "not met")
+    return t
+
+
+def plot(out: dict):
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = range(len(out["speed"]))
+    names = list(out["speed"][0]["tok_s"])
+    w = 0.8 / len(names)
+    for j, side in enumerate(names):
+        ax.bar([x + w * j for x in xs], [r["tok_s"][side] for r in out["speed"]], w,
+               label=side)
+    ax.set_xticks([x + 0.4 - w / 2 for x in xs], [f"batch {r['batch']}" for r in out["speed"]])
+    ax.set_ylabel(f"output tok/s ({out['speed_model']})")
+    ax.legend()
+    return common.save_plot("structured_outputs", fig)
+
+
+if __name__ == "__main__":
+    main()
