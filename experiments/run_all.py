@@ -28,6 +28,7 @@ from experiments import (
     sliding_window_kv,
     speculative,
     speculative_draft,
+    structured_outputs,
     test_times,
     weight_layout,
     weight_quantization,
@@ -55,6 +56,7 @@ FULL = [
     (long_prompt, dict(argv=[])),
     (speculative, dict(argv=[])),
     (speculative_draft, dict(argv=[])),
+    (structured_outputs, dict(argv=[])),
     (bench_serving, dict(argv=["--requests", "32", "--rates", "1", "2", "inf", "--offline"]
                           + (["--vllm-python", str(VLLM)] if VLLM.exists() else []))),
     (test_times, dict(argv=[])),  # `make test` cold and warm, last: it runs the suite twice

@@ -40,6 +40,9 @@ CHECKS = {  # constraint -> whether an output text obeys it
 }
 
 
+HEADER = "Shared header: prefix hits. "  # 3 full blocks of 8
+
+
 def constrained(kind: str, **kw) -> SamplingParams:
     kw = {"temperature": 1.0, "seed": 5, "max_tokens": 120, **kw}
     return SamplingParams(structured_outputs=CHECKS[kind][0], **kw)
@@ -47,7 +50,7 @@ def constrained(kind: str, **kw) -> SamplingParams:
 
 def requests(n: int = 2) -> list:
     """Every constraint at temperature 1 (seeded) and greedy, beside unconstrained rows."""
-    reqs = [(f"{k} {i}", f"prompt {i} for {k}: ", constrained(k, seed=i, **(
+    reqs = [(f"{k} {i}", f"{HEADER}prompt {i} for {k}: ", constrained(k, seed=i, **(
         {"temperature": 0.0} if i == 0 else {}))) for k in CHECKS for i in range(n)]
     return reqs + [(f"free {i}", f"free text {i}", SamplingParams(
         temperature=0.0, max_tokens=20, ignore_eos=True)) for i in range(2)]
@@ -105,6 +108,8 @@ def test_engine_paths_give_the_sync_engine_tokens(plain, overrides):
     assert texts(outs) == plain
     if "num_kv_blocks" in overrides:
         assert eng.scheduler.num_preempted > 0
+    if "enable_prefix_caching" in overrides:
+        assert sum(o.num_cached_tokens for o in outs.values()) > 0
     assert all_free(eng)
 
 
@@ -115,6 +120,23 @@ def test_speculating_engine_gives_plain_tokens(plain):
                              prompt_lookup_max=2)
     outs = run(engine(**BUCKETS, decode_window=1, speculative=spec), requests())
     assert texts(outs) == plain
+    # constrained rows verified n-gram drafts (their masks per position), some kept
+    drafted = [o.metrics for r, o in outs.items() if r.split()[0] in CHECKS]
+    assert sum(m.num_drafts for m in drafted) > 0 and sum(
+        m.num_accepted_tokens for m in drafted) > 0
+
+
+def test_a_draft_model_leaves_constrained_rows_undrafted(plain):
+    from paged_jax.engine.speculative import SpeculativeConfig
+    from tests.engine_helpers import model
+
+    spec = SpeculativeConfig(method="draft_model", model="tiny", num_speculative_tokens=3)
+    c, params, _ = model()
+    outs = run(engine(**BUCKETS, decode_window=1, speculative=spec, draft=(c, params)),
+               requests())
+    assert texts(outs) == plain
+    assert all(o.metrics.num_drafts == 0 for r, o in outs.items() if r.split()[0] in CHECKS)
+    assert sum(o.metrics.num_drafts for r, o in outs.items() if r.startswith("free")) > 0
 
 
 def test_n_samples_each_obey_and_stop_strings_and_max_tokens_end_them():
@@ -176,17 +198,34 @@ def test_masks_allow_exactly_what_the_matcher_accepts():
     g = grammars()
     m = g.matcher(g.compile(StructuredOutputsParams(regex=REGEX)))
     for ch in "ab-1":
-        allowed = unpack(grammar.fill_masks([(m, 1)], 2, EOS + 1, (EOS,)), EOS + 1)
+        allowed = unpack(grammar.fill_masks([(m, 1, [])], 2, EOS + 1, (EOS,)), EOS + 1)
         assert allowed[0].all()  # a row without a matcher: all ones
         ok = [t for t in range(EOS + 1) if m.ll.deep_copy().consume_token(t)]
         assert np.flatnonzero(allowed[1]).tolist() == ok
         assert m.accept([ord(ch)])
     logits = jnp.zeros((2, EOS + 1))
-    masked = grammar.apply_mask(logits, jnp.asarray(grammar.fill_masks([(m, 0)], 2, EOS + 1,
+    masked = grammar.apply_mask(logits, jnp.asarray(grammar.fill_masks([(m, 0, [])], 2, EOS + 1,
                                                                        (EOS,))))
     assert np.isfinite(np.asarray(masked[0])).tolist() == unpack(
-        grammar.fill_masks([(m, 0)], 1, EOS + 1, (EOS,)), EOS + 1)[0].tolist()
+        grammar.fill_masks([(m, 0, [])], 1, EOS + 1, (EOS,)), EOS + 1)[0].tolist()
     assert np.isfinite(np.asarray(masked[1])).all()
+
+
+def test_draft_positions_get_the_masks_after_the_drafts_before_them():
+    """A verify step's masks: position i of a row is the mask after its first i drafts,
+    and the matcher is left where it was (drafts are not consumed)."""
+    g = grammars()
+    m = g.matcher(g.compile(StructuredOutputsParams(regex=REGEX)))
+    drafts = [ord(c) for c in "ab-"]
+    got = unpack(grammar.fill_masks([(m, 2, drafts)], 7, EOS + 1, (EOS,)), EOS + 1)
+    assert got[:2].all() and got[6].all()
+    for i in range(len(drafts) + 1):
+        step = g.matcher(g.compile(StructuredOutputsParams(regex=REGEX)))
+        assert step.accept(drafts[:i])
+        want = unpack(grammar.fill_masks([(step, 0, [])], 1, EOS + 1, (EOS,)), EOS + 1)[0]
+        assert (got[2 + i] == want).all(), i
+    assert m.allows(drafts) == 3 and m.allows([ord("z")]) == 0
+    assert m.accept([ord("a")])  # still at the start: "a" is allowed there
 
 
 def test_a_broken_matcher_allows_only_eos_and_compiles_are_cached():
@@ -197,7 +236,7 @@ def test_a_broken_matcher_allows_only_eos_and_compiles_are_cached():
     g.compile(StructuredOutputsParams(choice=["ab"]))
     assert grammar.STATS.compiles == before + 1
     assert not m.accept([ord("z")]) and m.error
-    allowed = unpack(grammar.fill_masks([(m, 0)], 1, EOS + 1, (EOS,)), EOS + 1)[0]
+    allowed = unpack(grammar.fill_masks([(m, 0, [])], 1, EOS + 1, (EOS,)), EOS + 1)[0]
     assert np.flatnonzero(allowed).tolist() == [EOS]
 
 

@@ -99,11 +99,10 @@ def build(plan: Plan, ec, eos_ids: list[int], vocab_size: int, backend: str) -> 
     ops = build_ops(plan.ops, ec)
     if not plan.chunks:
         return Call("ops", [], ops)
-    if any(s.matcher is not None and (plan.window or plan.drafts or s.num_placeholders)
+    if any(s.matcher is not None and (plan.window or s.num_placeholders)
            for s, _ in plan.chunks):
-        raise RuntimeError("a constrained sequence was planned into a decode window, a verify "
-                           "step or ahead of its last token: its mask cannot be known "
-                           "(a scheduler bug)")
+        raise RuntimeError("a constrained sequence was planned into a decode window or ahead "
+                           "of its last token: its mask cannot be known (a scheduler bug)")
     if plan.window:
         row_slots, tokens, shape, rows = build_window(plan, ec, backend)
         return Call("window", rows, ops, shape, window=(row_slots, tokens))
@@ -243,7 +242,8 @@ def build_step(
         shape = dataclasses.replace(shape, prompt_top=ec.max_logprobs)
     if any(seq.wants_hidden(n) for seq, n in chunks):
         shape = dataclasses.replace(shape, hidden=True)
-    masks = _masks(rows, sample, vocab_size, eos_ids) if shape.flags.grammar else None
+    masks = _masks(plan, rows, sample, qs, t, vocab_size, eos_ids) if shape.flags.grammar \
+        else None
     arrays = (tok, pos, rows_of, row_slots, qs, sample, fs, fd, fi, next_ids)
     # A decode-only step with nothing to admit (the async hot loop) sends no admission rows:
     # a program of its own, and a dozen fewer host -> device copies per step.
@@ -254,11 +254,17 @@ def build_step(
             forks, rows)
 
 
-def _masks(rows: list[Sequence], sample: np.ndarray, vocab_size: int,
-           eos_ids: list[int]) -> np.ndarray:
-    """Structured outputs: the allowed-token bitmasks of the rows that sample under a
-    constraint (all ones elsewhere), made on the host before the call is sent."""
-    return grammar.fill_masks([(s.matcher, i) for i, s in enumerate(rows)
+def _masks(plan: Plan, rows: list[Sequence], sample: np.ndarray, qs: np.ndarray, t: int,
+           vocab_size: int, eos_ids: list[int]) -> np.ndarray:
+    """Structured outputs: allowed-token bitmasks made on the host before the call is sent,
+    one per row that samples under a constraint ([R, W]; all ones elsewhere), or in a verify
+    step one per token ([T, W]): a constrained row's drafts each get the mask after the
+    tokens before them."""
+    if plan.drafts or plan.catchup:  # a verify call
+        return grammar.fill_masks([(s.matcher, int(qs[i]), plan.drafts.get(id(s), []))
+                                   for i, s in enumerate(rows) if s.matcher is not None], t,
+                                  vocab_size, eos_ids)
+    return grammar.fill_masks([(s.matcher, i, []) for i, s in enumerate(rows)
                                if s.matcher is not None and sample[i]], len(sample),
                               vocab_size, eos_ids)
 

@@ -97,6 +97,7 @@ def _draw(logits: Float[Array, "R V"], view: smp.SamplingState, j: int | Int[Arr
     """Draft token j + 1 of each row and q_j, the distribution it was drawn from (None when
     every row is greedy: the verify rule then needs only the token)."""
     view = dataclasses.replace(view, num_generated=view.num_generated + j)
+    flags = dataclasses.replace(flags, grammar=False)  # constrained rows draft nothing
     if not flags.random:
         return smp.sample(logits, view, flags=dataclasses.replace(
             flags, logprobs=False, num_top_logprobs=0)).tokens, None

@@ -153,15 +153,17 @@ def add_drafts(plan: Plan, spec: SpeculativeConfig, kv: KVManager, budget: int,
     left and its max_tokens (its last emitted token is always the target's own). With a
     draft model the drafts are placeholders its device loop fills in, and a row first has
     the draft read what it has not seen (Sequence.draft_computed on; at most `catch_up`
-    tokens over the plan): a row that cannot catch up all the way drafts nothing yet. A plan
-    with structured outputs drafts nothing (their masks would follow each draft)."""
-    if (not plan.decode_only or plan.admitted or plan.deferred or plan.constrained
+    tokens over the plan): a row that cannot catch up all the way drafts nothing yet. A row
+    with structured outputs keeps the n-gram drafts its constraint allows (the verify step
+    masks each of its positions: engine/batch.py) and drafts nothing with a draft model,
+    whose drafts are made on the device, where no mask follows them."""
+    if (not plan.decode_only or plan.admitted or plan.deferred
             or not spec.applies(len(plan.chunks))
             or not all(kv.slot_live[s.slot] for s, _ in plan.chunks)):
         return
     for i, (seq, _) in enumerate(plan.chunks):
         room = min(spec.k, budget, seq.owner.params.max_tokens - len(seq.output_ids) - 1)
-        if room <= 0 or not may_speculate(seq):
+        if room <= 0 or not may_speculate(seq) or (seq.matcher and spec.draft_model):
             continue
         if spec.draft_model:
             lag = len(seq.tokens) - seq.draft_computed
@@ -173,6 +175,8 @@ def add_drafts(plan: Plan, spec: SpeculativeConfig, kv: KVManager, budget: int,
         else:
             drafts = ngram_propose(seq.tokens, room, spec.prompt_lookup_min,
                                    spec.prompt_lookup_max)
+            if seq.matcher is not None:
+                drafts = drafts[:seq.matcher.allows(drafts)]
         extra = kv.blocks_needed(seq, 1 + len(drafts)) - kv.blocks_needed(seq, 1)
         if not drafts or extra > free:
             continue

@@ -65,7 +65,8 @@ class StepBatch:
       next_ids: [T] for tokens of rows that want prompt logprobs, the prompt token after it
         (its logprob is reported); -1 elsewhere. Only in steps whose shape has prompt_top.
       masks: [R, W] each row's allowed-token bitmask (structured outputs, sample/grammar.py;
-        all ones for unconstrained rows). Only in steps whose flags have grammar.
+        all ones for unconstrained rows); a verify step's are per token, [T, W]. Only in
+        steps whose flags have grammar.
     """
 
     token_ids: Int[HostArray, "T"]
@@ -81,7 +82,7 @@ class StepBatch:
     ops: KVOps | None = None
     own: Bool[HostArray, "R"] | None = None
     next_ids: Int[HostArray, "T"] | None = None
-    masks: Int[HostArray, "R W"] | None = None
+    masks: Int[HostArray, "_ W"] | None = None  # R (a step) or T (a verify step) rows
 
 
 @jax.tree_util.register_dataclass

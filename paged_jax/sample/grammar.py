@@ -4,9 +4,10 @@ token mask the sampler applies (llguidance: Earley parsing over the tokenizer's 
     submission   Grammars.compile(StructuredOutputsParams) -> grammar text (checked, cached)
                  Grammars.matcher(grammar) -> Matcher, one per sequence
     each step    fill_masks(rows) -> [R, W] int32, bit t % 32 of word t // 32 set when token
-                 t may come next (host, the rows that sample under a constraint; others all
-                 ones), sent with the step; `apply_mask` inside the jitted sampler under the
-                 static flag SampleFlags.grammar
+                 t may come next (host, the rows that sample under a constraint, and in a
+                 verify step each of their drafts' positions; others all ones), sent with
+                 the step; `apply_mask` inside the jitted sampler under the static flag
+                 SampleFlags.grammar
     its output   Matcher.accept(tokens) (engine/output.py), which also finds the constraint
                  complete (the request stops) or broken
 
@@ -53,6 +54,10 @@ class Matcher:
     def accept(self, tokens: Sequence[int]) -> bool:
         """Advances over sampled tokens; False when one breaks the constraint."""
         return all(self.ll.consume_token(int(t)) for t in tokens)
+
+    def allows(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` (drafts) the constraint allows in a row, without consuming."""
+        return self.ll.validate_tokens([int(t) for t in tokens])
 
     @property
     def complete(self) -> bool:
@@ -140,11 +145,13 @@ def _looks_lark(text: str) -> bool:
 _EXECUTOR = None
 
 
-def fill_masks(rows: list[tuple[Matcher, int]], num_rows: int, vocab_size: int,
+def fill_masks(rows: list[tuple[Matcher, int, list[int]]], num_rows: int, vocab_size: int,
                eos_ids: Sequence[int]) -> Int[HostArray, "R W"]:
-    """[R, W] allowed-token bitmasks: each (matcher, row) pair's next tokens, all ones for
-    the other rows. A row whose constraint allows nothing (it broke) may only end: its EOS
-    ids are allowed, and the output processing stops it with the matcher's error."""
+    """[R, W] allowed-token bitmasks. For each (matcher, row, drafts): row `row` gets the
+    matcher's next tokens, and rows row + 1 .. row + len(drafts) the next tokens after each
+    draft (a verify step's positions; the matcher is left where it was). All ones for the
+    other rows. A row whose constraint allows nothing (it broke) may only end: its EOS ids
+    are allowed, and the output processing stops it with the matcher's error."""
     global _EXECUTOR
     import llguidance
     import llguidance.numpy as llnp
@@ -153,13 +160,18 @@ def fill_masks(rows: list[tuple[Matcher, int]], num_rows: int, vocab_size: int,
     masks = np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32)
     if rows:
         _EXECUTOR = _EXECUTOR or llguidance.LLExecutor()
-        llnp.fill_next_token_bitmask_par(_EXECUTOR, [(m.ll, r) for m, r in rows], masks)
+        plain = [(m.ll, r) for m, r, d in rows if not d]
+        drafted = [(m.ll, r, [int(t) for t in d]) for m, r, d in rows if d]
+        if plain:  # llguidance's draft variant refuses an empty draft list
+            llnp.fill_next_token_bitmask_par(_EXECUTOR, plain, masks)
+        if drafted:
+            llnp.fill_next_token_bitmask_par_with_draft_tokens(_EXECUTOR, drafted, masks)
         words = masks.view(np.uint32)
-        for _, r in rows:
+        for r in (r + i for _, r, d in rows for i in range(len(d) + 1)):
             if not words[r].any():
                 for t in eos_ids:
                     words[r, t // 32] |= np.uint32(1 << (t % 32))
-    STATS.masks += len(rows)
+    STATS.masks += sum(len(d) + 1 for _, _, d in rows)
     STATS.mask_seconds += time.perf_counter() - t0
     return masks
 
