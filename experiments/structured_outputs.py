@@ -155,7 +155,7 @@ def compile_times(tok, vocab_size: int) -> dict:
     g = Grammars(tok.backend.to_str(), vocab_size, tok.eos_token_ids)  # its own cache: empty
     for t in TASKS:
         spec = StructuredOutputsParams(**t.constraint)
-        s, _ = timed(lambda spec=spec: fill_masks([(g.matcher(g.compile(spec)), 0)], 1,
+        s, _ = timed(lambda spec=spec: fill_masks([(g.matcher(g.compile(spec)), 0, [])], 1,
                                                   vocab_size, tok.eos_token_ids))
         out["per_constraint_ms"][t.name] = 1e3 * s
     out["max_ms"] = max(out["per_constraint_ms"].values())
