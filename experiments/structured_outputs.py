@@ -233,7 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     a = parse(argv)
     out: dict = dict(models=a.models, speed_model=a.speed_model, batches=a.batches,
-                     rounds=a.rounds, max_tokens=a.max_tokens, validity={}, speed=[])
+                     rounds=a.rounds, max_tokens=a.max_tokens, variants=a.variants,
+                     validity={}, speed=[])
     for name in dict.fromkeys([a.speed_model, *a.models]):
         parts = load_model(name)
         llm, tok = make(parts, a), parts[2]
