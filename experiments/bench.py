@@ -201,7 +201,7 @@ def measure(sides: list, rows: dict, tok, rounds: int) -> dict:
                 if caching and isinstance(s, Ours):  # the first run filled the cache: the
                     s.run(work[r], tokens)  # rounds' hits take shapes of their own
     for k in range(rounds):
-        order = sides[k % len(sides):] + sides[:k % len(sides)]
+        order = common.rotated(sides, k)
         for r, (_n, tokens, caching) in rows.items():
             for s in (s for s in order if applies(s, caching)):
                 res = s.run(work[r], tokens)

@@ -144,6 +144,13 @@ def pyplot():
     return plt
 
 
+def rotated(names: list, r: int) -> list:
+    """`names` in round r's order: each round starts one later, so no side always runs
+    first (or right after another) while sides alternate in one run."""
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
 # ---- verdicts that can fail -----------------------------------------------------------------
 def spread(runs: list[float]) -> float:
     """Half the range of repeated runs: how far one run strays from the middle."""

@@ -116,7 +116,7 @@ def cell(sides: dict, tok, workload: str, batch: int, rounds: int, tokens: int,
     passes, built = warm(sides, tok, workload, batch, tokens), compiles().count
     for r in range(rounds):
         ids = prompts(tok, workload, batch, offset=offset + r * batch)
-        for n in names[r % len(names):] + names[:r % len(names)]:
+        for n in common.rotated(names, r):
             runs[n].append(run(sides[n], ids, tokens))
     plain = [x["tok_s"] for x in runs["plain"]]
     out = {}

@@ -123,7 +123,7 @@ def ttft(sides: dict, tok, offset: int, runs: int = 5) -> dict:
     sp, got = SamplingParams(temperature=0.0, max_tokens=1), {n: [] for n in sides}
     for i in range(runs + 1):  # the first pass compiles the prefill shapes (not kept)
         ids = prompts(tok, "chat", 1, offset=offset + i)
-        for n in list(sides)[i % 2:] + list(sides)[:i % 2]:
+        for n in common.rotated(list(sides), i):
             t0 = time.perf_counter()
             sides[n].generate([{"prompt_token_ids": ids[0]}], sp, use_tqdm=False)
             if i:

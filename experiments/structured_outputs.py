@@ -78,10 +78,11 @@ def validity(llm, tok, variants: int, max_tokens: int) -> dict:
 def judged(pairs, texts: list[str]) -> dict:
     """The share of outputs that obey their task's constraint, per task and overall."""
     per: dict[str, list[bool]] = {}
+    bad = []
     for (t, _), text in zip(pairs, texts, strict=True):
         per.setdefault(t.name, []).append(t.valid(text))
-    bad = [dict(task=t.name, text=x) for (t, _), x in zip(pairs, texts, strict=True)
-           if not t.valid(x)]
+        if not per[t.name][-1]:
+            bad.append(dict(task=t.name, text=text))
     ok = sum(map(sum, per.values()))
     return dict(outputs=len(pairs), valid=ok, rate=ok / len(pairs), invalid=bad[:10],
                 per_task={k: sum(v) / len(v) for k, v in per.items()})
@@ -128,7 +129,7 @@ def speed(llm, tok, batch: int, rounds: int, max_tokens: int, worker=None) -> di
     names, runs = list(timed_sides), {n: [] for n in timed_sides}
     mask_s, masks, wall = 0.0, 0, 0.0
     for r in range(rounds):
-        for n in names[r % len(names):] + names[:r % len(names)]:
+        for n in common.rotated(names, r):
             before = (STATS.mask_seconds, STATS.masks)
             s, total = timed_sides[n]()
             runs[n].append(total / s)
@@ -150,9 +151,9 @@ def compile_times(tok, vocab_size: int) -> dict:
     from paged_jax.sample.grammar import Grammars, fill_masks
     from paged_jax.sampling_params import StructuredOutputsParams
 
-    s, _ = timed(lambda: Grammars(tok.backend.to_str(), vocab_size, tok.eos_token_ids))
+    # a compiler of its own: its cache is empty, so every constraint compiles
+    s, g = timed(lambda: Grammars(tok.backend.to_str(), vocab_size, tok.eos_token_ids))
     out = {"tokenizer_table_s": s, "per_constraint_ms": {}}
-    g = Grammars(tok.backend.to_str(), vocab_size, tok.eos_token_ids)  # its own cache: empty
     for t in TASKS:
         spec = StructuredOutputsParams(**t.constraint)
         s, _ = timed(lambda spec=spec: fill_masks([(g.matcher(g.compile(spec)), 0, [])], 1,
@@ -171,8 +172,7 @@ def ttft(llm, tok, runs: int) -> dict:
              "new schema": lambda i: {"json": fresh_schema(i)}}
     got = {n: [] for n in sides}
     for i in range(runs + 1):  # the first round compiles the prefill shapes (not kept)
-        names = list(sides)[i % 3:] + list(sides)[:i % 3]
-        for n in names:
+        for n in common.rotated(list(sides), i):
             sp = SamplingParams(temperature=0.0, max_tokens=1,
                                 structured_outputs=sides[n](10_000 * runs + i))
             s, _ = timed(lambda sp=sp: llm.generate([{"prompt_token_ids": ids}], sp,

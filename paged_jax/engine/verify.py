@@ -91,7 +91,7 @@ def _rejection(
     has_draft, d = _next_in_row(plain, batch)
     row = jnp.clip(batch.token_rows, 0)
     qt = q[row, jnp.clip(j, 0, q.shape[1] - 1)]  # the distribution d was drawn from
-    p = smp.distribution(logits, view, dataclasses.replace(flags, grammar=False))  # masked
+    p = smp.distribution(logits, view, flags)
     at = lambda x: jnp.take_along_axis(x, d[:, None], axis=1)[:, 0]  # noqa: E731
     keep = smp.uniform(view, ACCEPT_SALT) * at(qt) < at(p)
     other = smp.draw_from(jnp.maximum(p - qt, 0.0), view, RESIDUAL_SALT)
@@ -108,11 +108,13 @@ def _sample_tokens(
     # token j of a row is sampled as if the row's tokens before it were emitted
     view = smp.rows_view(state.sampling, slot, flags.penalties, flags.bias)
     view = dataclasses.replace(view, num_generated=view.num_generated + j)
+    # structured outputs: every position's mask applied once, here (logprobs: masked, as plain)
+    logits = smp.constrained(logits, flags, batch.masks)
+    flags = dataclasses.replace(flags, grammar=False)
     if q is None:
-        return smp.sample(logits, view, flags=flags, masks=batch.masks), j
+        return smp.sample(logits, view, flags=flags), j
     quiet = dataclasses.replace(flags, logprobs=False, num_top_logprobs=0)
-    plain = smp.sample(logits, view, flags=quiet, masks=batch.masks).tokens
-    logits = smp.constrained(logits, flags, batch.masks)  # reported logprobs: masked, as plain
+    plain = smp.sample(logits, view, flags=quiet).tokens
     return smp.with_logprobs(logits, _rejection(logits, view, batch, j, q, plain, flags),
                              flags), j
 
