@@ -19,6 +19,7 @@ from experiments import (
     kv_quantization,
     latency_vs_rate,
     long_prompt,
+    moe,
     memory_breakdown,
     preemption,
     routing,
@@ -57,6 +58,7 @@ FULL = [
     (speculative, dict(argv=[])),
     (speculative_draft, dict(argv=[])),
     (structured_outputs, dict(argv=[])),
+    (moe, dict(argv=[])),
     (bench_serving, dict(argv=["--requests", "32", "--rates", "1", "2", "inf", "--offline"]
                           + (["--vllm-python", str(VLLM)] if VLLM.exists() else []))),
     (test_times, dict(argv=[])),  # `make test` cold and warm, last: it runs the suite twice

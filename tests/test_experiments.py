@@ -215,6 +215,22 @@ def test_speculative_runs_every_side_on_the_same_tokens():
     assert open(data["png"], "rb").read(4) == b"\x89PNG"
 
 
+def test_moe_times_every_expert_path_on_the_same_tokens():
+    """Batch 4, one round: every path's tok/s and the layer alone, the same tokens on every
+    path, the router's load conserved, real models' active parameters, the target's verdict."""
+    from experiments import moe
+
+    data = moe.main(["--rounds", "1", "--batch", "4", "--tokens", "8"])
+    saved = json.loads(open(data["json"]).read())
+    assert saved["decode"]["same_tokens"] and saved["load"]["conserved"]
+    assert set(saved["decode"]["tok_s"]) == set(saved["layer"]["ms"]) == set(moe.IMPLS)
+    assert all(v < 1e-3 for v in saved["layer"]["max_abs_diff_vs_dense"].values())
+    mixtral = saved["routing"]["token_level"]["Mixtral-8x7B"]
+    assert round(mixtral["total_params"] / 1e9, 1) == 46.7  # the published counts
+    assert round(mixtral["active_params"] / 1e9, 1) == 12.9
+    assert "verdict" in saved["targets"]["grouped over dense at batch 4"]
+
+
 def test_structured_outputs_measures_validity_speed_compile_and_ttft():
     """SmolLM2, one round, batch 1 and 2, short outputs: every section and target present,
     the same lengths on both speed sides (asserted inside), JSON and PNG."""

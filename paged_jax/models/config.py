@@ -8,10 +8,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+MOE_ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+                     "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe"}
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Gemma3ForCausalLM")
+                           "Gemma3ForCausalLM", *MOE_ARCHITECTURES)
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+MOE_IMPLS = ("grouped", "dense", "ragged_dot")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +40,18 @@ class ModelConfig:
       sliding_window: the keys a "sliding_attention" layer's query sees (itself included).
       layer_types: per layer "full_attention" or "sliding_attention"; () = all full.
       rope_local_theta: RoPE base of sliding layers (None = rope_theta; never scaled).
+      qk_norm_span: "head" (one [D] weight shared by the heads: Gemma 3, Qwen3) or "all"
+        (one norm over the whole q and the whole k projection: OLMoE).
+      num_experts: 0 for a dense MLP; else every layer's MLP is a mixture of this many
+        experts of width `moe_intermediate_size` (models/moe.py), each token sent to its
+        `num_experts_per_tok` best by a linear router (softmax over all experts, top-k kept;
+        `norm_topk_prob` renormalises the kept weights to 1: Mixtral always does).
+      shared_expert_intermediate_size: Qwen2-MoE's always-on expert, scaled by a sigmoid gate
+        (0 = none).
+      moe_impl: how the experts run, not a property of the checkpoint: "grouped" (tokens
+        sorted by expert, tiles of rows per expert: the default), "dense" (every expert on
+        every token, the reference) or "ragged_dot" (jax.lax.ragged_dot; XLA:CPU expands it
+        to a dense masked product).
 
     RMSNorm weights are stored as the factor they multiply by: Gemma's checkpoints hold
     w for (1 + w), and the safetensors loader adds the 1 (GGUF files already hold 1 + w).
@@ -66,6 +81,13 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None
+    qk_norm_span: str = "head"
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_impl: str = "grouped"
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -86,6 +108,24 @@ class ModelConfig:
             raise ValueError(f"unknown layer types {sorted(bad)}; expected {LAYER_TYPES}")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need a sliding_window")
+        if self.qk_norm_span not in ("head", "all"):
+            raise ValueError(f"qk_norm_span must be 'head' or 'all', got {self.qk_norm_span!r}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"unknown moe_impl {self.moe_impl!r}; one of {MOE_IMPLS}")
+        if not self.num_experts:
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                             f"1..num_experts ({self.num_experts})")
+        if self.moe_intermediate_size < 1:
+            raise ValueError("a mixture-of-experts model needs moe_intermediate_size >= 1")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def window(self, layer: int) -> int | None:
         """The sliding window of `layer`, or None for a full-attention layer."""
@@ -109,6 +149,37 @@ class ModelConfig:
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
         d["layer_types"] = tuple(d.get("layer_types", ()))
         return cls(**d)
+
+
+def _moe(hf: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE config.json.
+
+    Raises:
+      ValueError: a feature this decoder does not run (dense layers between MoE ones,
+        Qwen's per-layer sliding window, OLMoE's clip_qkv), named.
+    """
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        raise ValueError("dense MLP layers between MoE layers (mlp_only_layers / "
+                         "decoder_sparse_step) are not supported: every layer must be MoE")
+    if hf.get("use_sliding_window"):
+        raise ValueError(f"{arch}: use_sliding_window is not supported")
+    if hf.get("clip_qkv") is not None:
+        raise ValueError(f"{arch}: clip_qkv={hf['clip_qkv']} is not supported")
+    experts = hf.get("num_local_experts") or hf.get("num_experts")
+    fields = dict(architecture=arch, num_experts=experts,
+                  num_experts_per_tok=hf["num_experts_per_tok"],
+                  moe_intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
+                  norm_topk_prob=arch == "mixtral" or bool(hf.get("norm_topk_prob", False)))
+    if arch == "mixtral" and hf.get("sliding_window"):  # every layer slides (Mistral's rule)
+        fields.update(sliding_window=hf["sliding_window"],
+                      layer_types=("sliding_attention",) * hf["num_hidden_layers"])
+    if arch == "qwen2_moe":
+        fields.update(attention_bias=bool(hf.get("qkv_bias", True)),
+                      shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size")
+                      or 0)
+    if arch in ("olmoe", "qwen3_moe"):
+        fields.update(qk_norm=True, qk_norm_span="all" if arch == "olmoe" else "head")
+    return fields
 
 
 def _as_tuple(ids: int | list[int] | None) -> tuple[int, ...]:
@@ -174,6 +245,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
                   tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
     if "Gemma3ForCausalLM" in archs:
         fields.update(_gemma3(hf))
+    if moe := [MOE_ARCHITECTURES[a] for a in archs if a in MOE_ARCHITECTURES]:
+        fields.update(_moe(hf, moe[0]))
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -184,7 +257,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         # Qwen2 always has q/k/v biases; its config has no attention_bias key.
-        attention_bias=bool(hf.get("attention_bias", "Qwen2ForCausalLM" in archs)),
+        attention_bias=fields.pop("attention_bias", None)
+        or bool(hf.get("attention_bias", "Qwen2ForCausalLM" in archs)),
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_as_tuple(hf.get("eos_token_id")),

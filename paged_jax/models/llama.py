@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) and Gemma 3 over the paged KV cache, as pure
-functions. Gemma 3 is this decoder with the config's Gemma fields on (config.py): scaled
+"""Llama-family decoder (Llama, Mistral, Qwen2), Gemma 3 and mixture-of-experts decoders
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: the MLP is models/moe.py's) over the paged KV cache,
+as pure functions. Gemma 3 is this decoder with the config's Gemma fields on (config.py): scaled
 embeddings, GeGLU, q/k norms, norms after attention and MLP too, and sliding-window layers
 with their own RoPE base; the attention kernels take the window.
 
@@ -12,6 +13,9 @@ leading L axis (one array per weight name, easy to save, compare and load):
             mlp_norm [L, E]  w_gate, w_up [L, E, F]  w_down [L, F, E]
             q_norm, k_norm [L, D] (config.qk_norm)  post_attn_norm, post_mlp_norm [L, E]
             (config.sandwich_norm)
+            MoE (config.is_moe; models/moe.py) instead of w_gate, w_up, w_down: router
+            [L, E, X]  e_gate, e_up [L, X, E, F]  e_down [L, X, F, E]; Qwen2-MoE's shared
+            expert s_gate, s_up [L, E, Fs]  s_down [L, Fs, E]  s_router [L, E, 1]
 
 `prepare_params` turns it into the *runtime form* the forward is fast on: "layers" becomes a
 list of per-layer dicts, with q|k|v fused into one `w_qkv [(Q + 2H) * D, E]` (and `b_qkv`) and
@@ -41,7 +45,6 @@ D2 in annotations is D / 2 (one inverse frequency per rotated pair).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
@@ -56,9 +59,11 @@ from paged_jax import compile_cache
 from paged_jax.cache import kv_cache as kv_lib
 from paged_jax.cache import kv_quant
 from paged_jax.cache.kv_cache import KVCache
+from paged_jax.models import moe
 from paged_jax.models import parallel as tp_lib
 from paged_jax.models.attention import paged_attention
 from paged_jax.models.config import ModelConfig
+from paged_jax.models.rope import inv_frequencies, rope, rope_tables
 from paged_jax.types import Array, Float, Int
 
 Params = dict[str, Any]
@@ -74,54 +79,14 @@ def rms_norm(
     return w * y.astype(x.dtype)
 
 
-def inv_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
-    """[D/2] RoPE inverse frequencies in fp32, with the configured scaling; `local`: those of
-    sliding-window layers (config.rope_local_theta, never scaled)."""
-    d = config.head_dim
-    theta = config.rope_local_theta if local and config.rope_local_theta else config.rope_theta
-    inv = (1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float32) / d))).astype(np.float32)
-    rs = {} if local else config.rope_scaling_dict
-    if rs.get("rope_type") == "linear":
-        return (inv / np.float32(rs["factor"])).astype(np.float32)
-    if rs.get("rope_type") == "freq_factors":
-        return (inv / np.asarray(rs["factors"], np.float32)).astype(np.float32)
-    if rs.get("rope_type") != "llama3":
-        return inv
-    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
-    old_len = rs["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv
-    scaled = np.where(wavelen > old_len / lo, inv / factor, inv)
-    smooth = (old_len / wavelen - lo) / (hi - lo)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def rope_tables(
-    positions: Int[Array, "T"], inv_freq: Float[Array, "D2"]
-) -> tuple[Float[Array, "T D"], Float[Array, "T D"]]:
-    """(cos, sin) of position * inv_freq, each half repeated (HF rotate_half layout), fp32.
-
-    Computed once per forward and shared by every layer."""
-    ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.concatenate([jnp.cos(ang)] * 2, -1), jnp.concatenate([jnp.sin(ang)] * 2, -1)
-
-
-def rope(
-    x: Float[Array, "T X D"], cos: Float[Array, "T D"], sin: Float[Array, "T D"]
-) -> Float[Array, "T X D"]:
-    """Rotates pairs (i, i + D/2) by the angles of `rope_tables`, in fp32."""
-    x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], -1)
-    return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
-
-
 FUSED = {"w_qkv": ("wq", "wk", "wv"), "b_qkv": ("bq", "bk", "bv"),
-         "w_gate_up": ("w_gate", "w_up")}
+         "w_gate_up": ("w_gate", "w_up"), "e_gate_up": ("e_gate", "e_up"),
+         "s_gate_up": ("s_gate", "s_up")}
 """Runtime weight -> the checkpoint weights it concatenates (along the output axis)."""
-PROJECTIONS = ("w_qkv", "wo", "w_gate_up", "w_down")
-"""Runtime weights stored [out, in] (module docstring)."""
+PROJECTIONS = ("w_qkv", "wo", "w_gate_up", "w_down", "s_gate_up", "s_down")
+"""Runtime weights stored [out, in] (module docstring), packed or quantized as matmuls."""
+EXPERTS = ("e_gate_up", "e_down", "router", "s_router")
+"""Runtime MoE weights stored [out, in] too (per expert), never packed (models/moe.py)."""
 
 
 def linear(x: Float[Array, "T I"], w: Float[Array, "O I"] | Packed | QuantWeight
@@ -142,7 +107,7 @@ def fuse_layer(p: Params, concat=jnp.concatenate) -> Params:
     for name, parts in FUSED.items():
         if parts[0] in p:
             out[name] = concat([p[x] for x in parts], axis=-1)
-    return {k: v.swapaxes(-1, -2) if k in PROJECTIONS else v for k, v in out.items()}
+    return {k: v.swapaxes(-1, -2) if k in PROJECTIONS + EXPERTS else v for k, v in out.items()}
 
 
 def runtime_layers(params: Params) -> list[Params]:
@@ -229,9 +194,10 @@ def attention_block(
     q = qkv[:, :nq].reshape(t, config.num_heads, d)
     k = qkv[:, nq:nq + nk].reshape(t, config.num_kv_heads, d)
     v = qkv[:, nq + nk:].reshape(t, config.num_kv_heads, d)
-    if config.qk_norm:  # one [D] weight shared by the heads
-        q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
+    if config.qk_norm:  # one [D] weight shared by the heads, or one over all (OLMoE)
+        whole = config.qk_norm_span == "all"
+        q = _qk_norm(q, p["q_norm"], config.rms_norm_eps, whole)
+        k = _qk_norm(k, p["k_norm"], config.rms_norm_eps, whole)
     q, k = rope(q, *rot), rope(k, *rot)
     spin = kv_quant.rotation(kv[0].dtype, d)  # int8 pages hold K/V rotated (kv_quant.py)
     if spin is not None:
@@ -246,24 +212,44 @@ def attention_block(
     return (o + p["bo"] if "bo" in p else o), kv
 
 
-def mlp_block(p: Params, x: Float[Array, "T E"], act: str = "silu",
-              tp: bool = False) -> Float[Array, "T E"]:
-    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (tanh-approximated gelu,
-    Gemma's gelu_pytorch_tanh). `tp`: this device's slice of F; partial sums added over the
-    mesh."""
-    gate, up = jnp.split(linear(x, p["w_gate_up"]), 2, axis=-1)
+def _qk_norm(x: Float[Array, "T X D"], w: Array, eps: float, whole: bool) -> Array:
+    if whole:
+        return rms_norm(x.reshape(x.shape[0], -1), w, eps).reshape(x.shape)
+    return rms_norm(x, w, eps)
+
+
+def gated_mlp(x: Float[Array, "T E"], gate_up, down, act: str = "silu") -> Float[Array, "T E"]:
+    """down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (tanh-approximated gelu, Gemma's
+    gelu_pytorch_tanh)."""
+    gate, up = jnp.split(linear(x, gate_up), 2, axis=-1)
     gate = jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, approximate=True)
-    out = linear(gate * up, p["w_down"])
-    return jax.lax.psum(out, tp_lib.AXIS) if tp else out
+    return linear(gate * up, down)
+
+
+def mlp_block(p: Params, x: Float[Array, "T E"], config: ModelConfig, valid: Array,
+              tp: bool = False) -> tuple[Float[Array, "T E"], Array | None]:
+    """The layer's MLP, dense or mixture of experts (with its expert load; models/moe.py),
+    plus a shared expert where the model has one. `tp`: this device's slice of F (of the
+    experts); partial sums added over the mesh."""
+    load = None
+    if not config.is_moe:
+        out = gated_mlp(x, p["w_gate_up"], p["w_down"], config.hidden_act)
+    else:
+        out, load = moe.moe_block(p, x, config, valid, tp)
+    if "s_gate_up" in p:
+        shared = gated_mlp(x, p["s_gate_up"], p["s_down"])
+        out = out + jax.nn.sigmoid(linear(x, p["s_router"])) * shared
+    return (jax.lax.psum(out, tp_lib.AXIS) if tp else out), load
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attn"))
 def decoder_layer(
     p: Params, x: Float[Array, "T E"], kv: tuple[Pages, Pages], batch: tuple,
     rot: tuple[Array, Array], *, config: ModelConfig, attn: tuple,
-) -> tuple[Float[Array, "T E"], tuple[Pages, Pages]]:
-    """One pre-norm decoder layer (with config.sandwich_norm, the attention and MLP outputs are
-    normed too). Jitted on its own so that a forward traces it once per kind of layer, not
+) -> tuple[Float[Array, "T E"], tuple[Pages, Pages], Int[Array, "X"] | None]:
+    """One pre-norm decoder layer, and its expert load when it is MoE (tokens per expert,
+    padding not counted). With config.sandwich_norm, the attention and MLP outputs are
+    normed too. Jitted on its own so that a forward traces it once per kind of layer, not
     once per layer: inside the step's program it is a call XLA inlines (the compiled code is
     that of the unrolled loop), while tracing and lowering a 30-layer step cost one layer."""
     eps = config.rms_norm_eps
@@ -272,11 +258,11 @@ def decoder_layer(
     if config.sandwich_norm:
         a = rms_norm(a, p["post_attn_norm"], eps)
     x = x + a
-    m = mlp_block(p, rms_norm(x, p["mlp_norm"], eps), config.hidden_act,
-                  dict(attn).get("tp", False))
+    m, load = mlp_block(p, rms_norm(x, p["mlp_norm"], eps), config, batch[1] >= 0,
+                        dict(attn).get("tp", False))
     if config.sandwich_norm:
         m = rms_norm(m, p["post_mlp_norm"], eps)
-    return x + m, kv
+    return x + m, kv, load
 
 
 Logits = Float[Array, "S V"] | Float[Array, "T V"]
@@ -300,7 +286,8 @@ def forward(
     decode_pages: int | None = None,
     tp: bool = False,
     with_hidden: bool = False,
-) -> tuple[Logits | tuple[Logits, Float[Array, "S E"]], KVCache]:
+    router_load: bool = False,
+) -> tuple[Logits | tuple, KVCache]:
     """One decoder pass over a ragged batch (semantics of `paged_jax.models.attention`).
 
     Args:
@@ -318,10 +305,12 @@ def forward(
         `config` is then `parallel.local_config`): params and cache are this device's.
       with_hidden: also return each sequence's last-token hidden state (after the final
         norm, fp32 [S, E]): the vector its first output token's logits come from.
+      router_load: (MoE) also return the tokens each layer sent to each expert, [L, X].
 
     Returns:
       (logits fp32 [S, V] at token query_start[s+1] - 1, or [T, V] if all_logits; cache'),
-      or ((logits, hidden), cache') with_hidden (one tree, so shard_map's out_specs hold).
+      or ((logits, hidden), cache') with_hidden (one tree, so shard_map's out_specs hold);
+      with router_load, ((that first element, load), cache').
     """
     x = _embed(params["embed"], token_ids, tp)
     if config.embed_scale != 1.0:
@@ -332,13 +321,17 @@ def forward(
     batch = (positions, cache_positions, block_tables, seq_lens, query_start)
     attn = (("max_q", max_q), ("backend", backend), ("max_q_rows", max_q_rows),
             ("decode_pages", decode_pages), ("scale", config.query_scale), ("tp", tp))
-    layers = []
+    layers, loads = [], []
     for i, p in enumerate(runtime_layers(params)):
         window = config.window(i)
-        x, kv = decoder_layer(p, x, cache.layer(i), batch, rot if window is None else rot_local,
-                              config=config, attn=(*attn, ("window", window)))
+        x, kv, load = decoder_layer(p, x, cache.layer(i), batch,
+                                    rot if window is None else rot_local,
+                                    config=config, attn=(*attn, ("window", window)))
         layers.append(kv)
+        loads.append(load)
     out = _outputs(params, x, query_start, config, tp, all_logits, with_hidden)
+    if router_load:
+        out = (out, jnp.stack(loads))
     return out, KVCache.of_layers(layers)
 
 
@@ -376,15 +369,17 @@ def _logits(params: Params, x: Float[Array, "T E"], config: ModelConfig,
 
 @functools.lru_cache(maxsize=64)
 def make_forward(
-    config: ModelConfig, max_q: int, backend: str = "reference", all_logits: bool = False
+    config: ModelConfig, max_q: int, backend: str = "reference", all_logits: bool = False,
+    router_load: bool = False,
 ):
-    """`forward` jitted for one (config, max_q, backend, all_logits), the cache donated.
+    """`forward` jitted for one (config, max_q, backend, all_logits, router_load), the cache
+    donated.
 
     The returned function takes the positional arguments of `forward`; it compiles once per
     distinct input shape (the engine pads to a few buckets).
     """
     fn = functools.partial(
-        forward, config=config, max_q=max_q, backend=backend, all_logits=all_logits
-    )
+        forward, config=config, max_q=max_q, backend=backend, all_logits=all_logits,
+        router_load=router_load)
     return jax.jit(fn, donate_argnums=(1,))
 

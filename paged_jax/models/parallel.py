@@ -43,7 +43,10 @@ AXIS = "model"
 
 # Runtime layer weights ([out, in]) split by the mesh, and the axis they are split on; the
 # rest of a layer (norms, bo) is replicated.
-_LAYER_AXIS = {"w_qkv": 0, "b_qkv": 0, "wo": 1, "w_gate_up": 0, "w_down": 1}
+# Mixture-of-experts layers split their experts (expert parallelism: models/moe.py) and the
+# shared expert's width; the router is replicated.
+_LAYER_AXIS = {"w_qkv": 0, "b_qkv": 0, "wo": 1, "w_gate_up": 0, "w_down": 1,
+               "e_gate_up": 0, "e_down": 0, "s_gate_up": 0, "s_down": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +66,12 @@ def layout(config: ModelConfig, n: int) -> Layout:
     q, h, f = config.num_heads, config.num_kv_heads, config.intermediate_size
     if n < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {n}")
-    if q % n or f % n:
-        raise ValueError(f"tensor_parallel_size={n} must divide the query heads ({q}) and "
-                         f"the MLP width ({f})")
+    if config.is_moe:
+        _check_moe(config, n)
+    elif f % n:
+        raise ValueError(f"tensor_parallel_size={n} must divide the MLP width ({f})")
+    if q % n:
+        raise ValueError(f"tensor_parallel_size={n} must divide the query heads ({q})")
     if h % n and n % h:
         raise ValueError(f"tensor_parallel_size={n} must divide the KV heads ({h}) or be a "
                          "multiple of them")
@@ -73,8 +79,19 @@ def layout(config: ModelConfig, n: int) -> Layout:
     return Layout(n, q // n, total // n, total, max(1, n // h), -(-config.vocab_size // n) * n)
 
 
+def _check_moe(config: ModelConfig, n: int) -> None:
+    x, fs = config.num_experts, config.shared_expert_intermediate_size
+    if x % n or fs % n:
+        raise ValueError(f"tensor_parallel_size={n} must divide the experts ({x}) and the "
+                         f"shared expert's width ({fs})")
+    if n > 1 and config.qk_norm and config.qk_norm_span == "all":
+        raise ValueError("a q/k norm over all heads (OLMoE) needs every head on one device: "
+                         "tensor parallelism is not supported for it")
+
+
 def local_config(config: ModelConfig, lay: Layout) -> ModelConfig:
-    """The config one device's forward sees (its heads and MLP width)."""
+    """The config one device's forward sees (its heads and MLP width; an MoE layer routes
+    over every expert and finds its own in its weights' shapes)."""
     return dataclasses.replace(config, num_heads=lay.num_heads, num_kv_heads=lay.num_kv_heads,
                                intermediate_size=config.intermediate_size // lay.n)
 
@@ -118,8 +135,10 @@ def _layer(p: dict, config: ModelConfig, lay: Layout) -> dict:
             k, v = w[..., q:q + h * d], w[..., q + h * d:]
             out[name] = _interleave([w[..., :q], _kv_heads(k, h, d, lay),
                                      _kv_heads(v, h, d, lay)], lay.n).T
-    gate, up = np.split(p["w_gate_up"].T, 2, -1)
-    out["w_gate_up"] = _interleave([gate, up], lay.n).T
+    for name in ("w_gate_up", "s_gate_up"):
+        if name in p:
+            gate, up = np.split(p[name].T, 2, -1)
+            out[name] = _interleave([gate, up], lay.n).T
     return out
 
 

@@ -19,18 +19,27 @@ LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 LAYER_VECTORS = ("attn_norm", "mlp_norm", "bq", "bk", "bv", "bo")
 QK_NORMS = ("q_norm", "k_norm")  # [D] each, shared by every head (config.qk_norm)
 SANDWICH_NORMS = ("post_attn_norm", "post_mlp_norm")  # [E] (config.sandwich_norm)
+ATTENTION_WEIGHTS = LAYER_WEIGHTS[:4]
+MOE_WEIGHTS = ("router", "e_gate", "e_up", "e_down")  # [X, E] and per expert (config.is_moe)
+SHARED_WEIGHTS = ("s_gate", "s_up", "s_down", "s_router")  # Qwen2-MoE's shared expert
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Checkpoint ([out, in]) shape of every canonical per-layer and global tensor name."""
     e, f, d = config.hidden_size, config.intermediate_size, config.head_dim
     q, h = config.num_heads * d, config.num_kv_heads * d
+    x, fx, fs = config.num_experts, config.moe_intermediate_size, \
+        config.shared_expert_intermediate_size
+    whole = config.qk_norm_span == "all"
     return {
         "embed": (config.vocab_size, e), "lm_head": (config.vocab_size, e), "final_norm": (e,),
         "wq": (q, e), "wk": (h, e), "wv": (h, e), "wo": (e, q),
         "w_gate": (f, e), "w_up": (f, e), "w_down": (e, f),
         "attn_norm": (e,), "mlp_norm": (e,), "bq": (q,), "bk": (h,), "bv": (h,), "bo": (e,),
-        "q_norm": (d,), "k_norm": (d,), "post_attn_norm": (e,), "post_mlp_norm": (e,),
+        "q_norm": (q,) if whole else (d,), "k_norm": (h,) if whole else (d,),
+        "post_attn_norm": (e,), "post_mlp_norm": (e,),
+        "router": (x, e), "e_gate": (x, fx, e), "e_up": (x, fx, e), "e_down": (x, e, fx),
+        "s_gate": (fs, e), "s_up": (fs, e), "s_down": (e, fs), "s_router": (1, e),
     }
 
 
@@ -42,7 +51,10 @@ def _checked(name: str, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 def required_layer_tensors(config: ModelConfig) -> tuple[str, ...]:
     """The per-layer tensors every layer of a `config` model must have."""
-    return (*LAYER_WEIGHTS, "attn_norm", "mlp_norm", *(QK_NORMS if config.qk_norm else ()),
+    mlp = (MOE_WEIGHTS + (SHARED_WEIGHTS if config.shared_expert_intermediate_size else ())
+           if config.is_moe else LAYER_WEIGHTS[4:])
+    return (*ATTENTION_WEIGHTS, *mlp, "attn_norm", "mlp_norm",
+            *(QK_NORMS if config.qk_norm else ()),
             *(SANDWICH_NORMS if config.sandwich_norm else ()))
 
 
@@ -72,7 +84,8 @@ def build_params(
 
     def stack(base: str) -> jnp.ndarray:
         mats = [need(f"{i}.{base}", base) for i in range(config.num_layers)]
-        mats = [m.T for m in mats] if base in LAYER_WEIGHTS else mats
+        if base in (*LAYER_WEIGHTS, *MOE_WEIGHTS, *SHARED_WEIGHTS):  # to [in, out]
+            mats = [m.swapaxes(-1, -2) for m in mats]
         return jnp.asarray(np.stack(mats), dtype)
 
     present = [b for b in LAYER_VECTORS[2:] if get(f"0.{b}") is not None]

@@ -35,6 +35,7 @@ class PagedLoop:
     backend: str = "reference"
     shuffle_seed: int | None = None  # permute the free list: blocks handed out in random order
     kv_dtype: str = "auto"  # the cache's kv_cache_dtype (kv_quant.py): "auto" = the params'
+    last_load: np.ndarray | None = None  # MoE: [L, X] tokens per expert of the last step
 
     def __post_init__(self) -> None:
         c, m = self.cache_cfg, self.config
@@ -70,11 +71,14 @@ class PagedLoop:
         )
         if not bool(ok):
             raise RuntimeError("KV pool or page table too small for this step")
-        fwd = make_forward(self.config, next_pow2(int(num_new.max())), self.backend, all_logits)
+        fwd = make_forward(self.config, next_pow2(int(num_new.max())), self.backend, all_logits,
+                           router_load=self.config.is_moe)
         logits, self.cache = fwd(
             self.params, self.cache, jnp.asarray(tokens), positions, cache_pos,
             self.table.block_tables, self.table.seq_lens, query_start,
         )
+        if self.config.is_moe:  # tokens per expert per layer in this step, kept for studies
+            logits, self.last_load = logits[0], np.asarray(logits[1])
         return np.asarray(logits[:t] if all_logits else logits[: len(new_tokens)])
 
 

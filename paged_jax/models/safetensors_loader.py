@@ -32,6 +32,21 @@ _HF_GEMMA3_LAYER = {
     "post_mlp_norm": "post_feedforward_layernorm.weight",
     "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
 }
+# Mixture-of-experts MLPs: the router, and per expert j (stacked into [X, ...] on loading).
+_HF_MOE = {"router": "mlp.gate.weight", "e_gate": "mlp.experts.{j}.gate_proj.weight",
+           "e_up": "mlp.experts.{j}.up_proj.weight", "e_down": "mlp.experts.{j}.down_proj.weight",
+           "s_gate": "mlp.shared_expert.gate_proj.weight",
+           "s_up": "mlp.shared_expert.up_proj.weight",
+           "s_down": "mlp.shared_expert.down_proj.weight",
+           "s_router": "mlp.shared_expert_gate.weight"}
+_HF_MIXTRAL = {"router": "block_sparse_moe.gate.weight",
+               "e_gate": "block_sparse_moe.experts.{j}.w1.weight",
+               "e_up": "block_sparse_moe.experts.{j}.w3.weight",
+               "e_down": "block_sparse_moe.experts.{j}.w2.weight"}
+_HF_OLMOE = {**_HF_LAYER, **_HF_MOE, "q_norm": "self_attn.q_norm.weight",
+             "k_norm": "self_attn.k_norm.weight"}
+_HF_ARCH = {"gemma3": _HF_GEMMA3_LAYER, "mixtral": {**_HF_LAYER, **_HF_MIXTRAL},
+            "qwen2_moe": {**_HF_LAYER, **_HF_MOE}, "qwen3_moe": _HF_OLMOE, "olmoe": _HF_OLMOE}
 _HF_GLOBAL = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
               "lm_head": "lm_head.weight"}
 NORMS = ("final_norm", "attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm",
@@ -43,7 +58,7 @@ def hf_name(canonical: str, architecture: str = "llama") -> str:
     if canonical in _HF_GLOBAL:
         return _HF_GLOBAL[canonical]
     layer, base = canonical.split(".", 1)
-    names = _HF_GEMMA3_LAYER if architecture == "gemma3" else _HF_LAYER
+    names = _HF_ARCH.get(architecture, _HF_LAYER)
     return f"model.layers.{layer}.{names[base]}"
 
 
@@ -97,11 +112,18 @@ def load_safetensors(
     # Gemma's RMSNorm multiplies by 1 + w; our params hold the factor itself (config.py).
     offset = 1.0 if config.architecture == "gemma3" else 0.0
 
+    def read(tensor: str) -> np.ndarray | None:
+        hit = where.get(tensor)
+        return None if hit is None else np.asarray(hit[0].get_tensor(tensor).astype(jnp.float32))
+
     def get(canonical: str) -> np.ndarray | None:
-        hit = where.get(name(canonical))
-        if hit is None:
-            return None
-        x = np.asarray(hit[0].get_tensor(name(canonical)).astype(jnp.float32))
-        return x + offset if canonical.rsplit(".", 1)[-1] in NORMS else x
+        if "{j}" in name(canonical):  # one tensor per expert, stacked
+            experts = [read(name(canonical).format(j=j)) for j in range(config.num_experts)]
+            if missing := [j for j, x in enumerate(experts) if x is None]:
+                raise KeyError(f"checkpoint lacks tensor {name(canonical).format(j=missing[0])!r}"
+                               f" (experts {missing} of {config.num_experts} lack it)")
+            return np.stack(experts)
+        x = read(name(canonical))
+        return x + offset if x is not None and canonical.rsplit(".", 1)[-1] in NORMS else x
 
     return config, build_params(config, get, dtype, file_name=name)

@@ -40,6 +40,14 @@ def tiny_qwen2_config(**overrides) -> ModelConfig:
     return tiny_config(**{**base, **overrides})
 
 
+def tiny_moe_config(**overrides) -> ModelConfig:
+    """`tiny_config` with a mixture of 8 experts of width 64 in every layer, each token sent
+    to 2 (Mixtral's routing: the two weights renormalised)."""
+    base = dict(architecture="mixtral", num_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=64, norm_topk_prob=True)
+    return tiny_config(**{**base, **overrides})
+
+
 def random_params(config: ModelConfig, seed: int = 0, dtype: DTypeLike = np.float32,
                   scale: float = 0.5) -> Params:
     """Gaussian weights scaled so logits have a healthy spread (clear argmax margins)."""

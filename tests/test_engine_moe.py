@@ -1,0 +1,137 @@
+"""The engine's paths on a tiny mixture-of-experts model (8 experts, top 2, in every layer):
+batched equals one at a time, preemption (recompute and swap), prefix hits and beam search give
+the plain engine's tokens; the grouped expert path gives the dense one's; expert parallelism
+over 2 and 4 fake devices gives one device's tokens with each device holding 1/N of the
+experts; no recompiles after warm-up."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from paged_jax.cache.config import CacheConfig
+from paged_jax.engine import step as step_lib
+from paged_jax.engine import window as window_lib
+from paged_jax.engine.beam_search import beam_search
+from paged_jax.models import parallel
+from paged_jax.models.reference_loop import PagedLoop
+from paged_jax.models.testing import byte_tokenizer, random_params, tiny_moe_config
+from paged_jax.sampling_params import BeamSearchParams
+from tests.engine_helpers import GREEDY, all_free, engine, prompts, run, tokens
+
+N = 10
+
+
+@functools.cache
+def moe_parts(impl: str = "grouped", shared: int = 0):
+    cfg = tiny_moe_config(moe_impl=impl, shared_expert_intermediate_size=shared)
+    return cfg, random_params(cfg, seed=4), byte_tokenizer()
+
+
+def workload() -> list[tuple]:
+    return [(str(i), p, GREEDY) for i, p in enumerate(prompts(N))]
+
+
+@pytest.fixture(scope="module")
+def batched():
+    return run(engine(moe_parts()), workload(), check=True)
+
+
+def test_batched_equals_one_at_a_time(batched):
+    eng = engine(moe_parts())
+    for i, p in enumerate(prompts(N)):
+        assert tokens(run(eng, [("x", p, GREEDY)]), "x") == tokens(batched, str(i)), i
+    assert all_free(eng)
+
+
+def test_grouped_gives_the_dense_paths_tokens(batched):
+    outs = run(engine(moe_parts("dense")), workload())
+    for rid in batched:
+        assert tokens(outs, rid) == tokens(batched, rid), rid
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_loses_nothing(batched, mode):
+    eng = engine(moe_parts(), num_kv_blocks=20, preemption_mode=mode)
+    outs = run(eng, workload())
+    assert eng.scheduler.num_preempted > 0 and eng.refused_steps == 0
+    for rid in batched:
+        assert tokens(outs, rid) == tokens(batched, rid), rid
+    assert all_free(eng)
+
+
+def test_prefix_hits_give_the_same_tokens():
+    shared = "a shared system prompt of some length, " * 3
+    reqs = [(str(i), shared + p, GREEDY) for i, p in enumerate(prompts(6))]
+    cold = run(engine(moe_parts(), enable_prefix_caching=False), reqs)
+    eng = engine(moe_parts(), enable_prefix_caching=True)
+    run(eng, reqs[:1])
+    warm = run(eng, [(f"w{rid}", p, sp) for rid, p, sp in reqs])
+    assert sum(o.num_cached_tokens or 0 for o in warm.values()) > 0
+    for rid, _, _ in reqs:
+        assert tokens(warm, f"w{rid}") == tokens(cold, rid), rid
+
+
+def test_beam_search_matches_a_brute_force_reference():
+    config, params, tok = moe_parts()
+    ids = tok.encode("beam me up")
+
+    def logprobs(seq):
+        logits = PagedLoop(config, params, CacheConfig(64, 8, 1, 32)).step([seq])[0]
+        return logits - np.logaddexp.reduce(logits)
+
+    beams = [([], 0.0)]
+    for _ in range(4):
+        cands = [(t + [int(x)], c + float(lp[x])) for t, c in beams
+                 for lp in [logprobs(ids + t)] for x in np.argsort(-lp)[:4]]
+        beams = sorted(cands, key=lambda b: -b[1])[:2]
+    eng = engine(moe_parts())
+    out, _ = beam_search(eng, "beam me up", BeamSearchParams(beam_width=2, max_tokens=4,
+                                                             ignore_eos=True))
+    got = sorted((s.tokens[len(ids):], s.cum_logprob) for s in out.sequences)
+    for (g, gl), (w, wl) in zip(got, sorted(beams), strict=True):
+        assert g == w and abs(gl - wl) < 1e-3
+    assert all_free(eng)
+
+
+def test_no_recompilation_after_warmup():
+    run(engine(moe_parts()), workload())
+    sizes = (step_lib.run_step._cache_size(), window_lib.decode_window._cache_size())
+    outs = run(engine(moe_parts()), [(f"b{rid}", p, sp) for rid, p, sp in workload()])
+    assert len(outs) == N
+    assert (step_lib.run_step._cache_size(), window_lib.decode_window._cache_size()) == sizes
+
+
+needs4 = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (fake) devices")
+
+
+@needs4
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("shared", [0, 64])
+def test_expert_parallel_gives_one_devices_tokens(n, shared):
+    """Experts split over the mesh (and a shared expert's width), attention split by head:
+    one device's greedy tokens, with preemption in the mix; each device holds X/N experts."""
+    parts = moe_parts(shared=shared)
+    one = run(engine(parts), workload())
+    eng = engine(parts, tensor_parallel_size=n, num_kv_blocks=40)
+    outs = run(eng, workload(), check=True)
+    for rid in one:
+        assert tokens(outs, rid) == tokens(one, rid), rid
+    experts = eng.params["layers"][0]["e_gate_up"]
+    shards = experts.addressable_shards
+    assert len(shards) == n and {s.data.shape[0] for s in shards} == {8 // n}
+    assert eng.scheduler.num_preempted > 0 and all_free(eng)
+
+
+def test_expert_parallel_layout_rules():
+    cfg = tiny_moe_config()
+    assert parallel.layout(cfg, 4).n == 4
+    with pytest.raises(ValueError, match="must divide the experts"):
+        parallel.layout(dataclasses.replace(cfg, num_experts=6, num_heads=4), 4)
+    olmoe = dataclasses.replace(cfg, qk_norm=True, qk_norm_span="all")
+    with pytest.raises(ValueError, match="OLMoE"):
+        parallel.layout(olmoe, 2)
