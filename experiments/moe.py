@@ -24,7 +24,7 @@ Parts:
            and 64 (an H200 roofline, fp16: 4.8 TB/s, 989 TFLOP/s; a step reads the experts
            its batch touches, expected under uniform routing) beside a dense model of the
            same total and of the same active parameters; results/routing.json's request-level
-           costs beside them.
+           costs beside them (paged_jax/study/moe_cost.py).
 Writes results/moe.json.
 """
 
@@ -45,12 +45,6 @@ SHAPE = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, head_di
              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=1024,
              intermediate_size=1024)
 IMPLS = ("grouped", "dense", "ragged_dot")
-# name: (vocab, hidden, layers, query heads, kv heads, head dim, experts, top-k, expert width,
-# shared-expert width); from each model's config.json.
-REAL = {"Mixtral-8x7B": (32000, 4096, 32, 32, 8, 128, 8, 2, 14336, 0),
-        "Qwen1.5-MoE-A2.7B": (151936, 2048, 24, 16, 16, 128, 60, 4, 1408, 5632),
-        "OLMoE-1B-7B": (50304, 2048, 16, 16, 16, 128, 64, 8, 1024, 0)}
-BYTES_PER_PARAM = 2  # fp16
 
 
 def model_parts(impl: str):
@@ -167,55 +161,24 @@ def load(batch: int, tokens: int) -> dict:
                 conserved=bool(np.all(arr.sum(-1) == arr[:, :1].sum(-1))))
 
 
-def counts(v: int, e: int, layers: int, q: int, h: int, d: int, x: int, k: int, f: int,
-           fs: int) -> dict:
-    """Parameter counts of an MoE decoder's parts (untied head; norms left out)."""
-    attn = layers * (2 * e * q * d + 2 * e * h * d)
-    shared = layers * (3 * e * fs + e) if fs else 0
-    fixed = attn + layers * e * x + shared + v * e  # + the head; the embedding is looked up
-    expert = 3 * e * f
-    return dict(fixed=fixed, expert=expert, layers=layers, experts=x, top_k=k, embed=v * e,
-                total=fixed + v * e + layers * x * expert,
-                active=fixed + v * e + layers * k * expert)
-
-
-def decode_seconds(c: dict, batch: int, dense: str | None = None) -> float:
-    """Modeled seconds per output token of a decode step at `batch` (study.cost_model's
-    roofline on an H200, fp16): the MoE reads the experts its batch touches; a dense model
-    of the same "total" or "active" parameters reads all of its own."""
-    from paged_jax.study.cost_model import GpuCostModel
-
-    touched = c["experts"] * (1 - (1 - c["top_k"] / c["experts"]) ** batch)
-    read = {None: c["fixed"] + c["layers"] * touched * c["expert"],
-            "total": c["total"] - c["embed"], "active": c["active"] - c["embed"]}[dense]
-    flops_params = c["total"] if dense == "total" else c["active"]
-    gpu = GpuCostModel(name="H200 roofline, fp16", weight_bytes=read * BYTES_PER_PARAM,
-                       kv_pool_bytes=0.0, bandwidth=4.8e12, parameters=flops_params,
-                       peak_flops=989e12)
-    return gpu.step_seconds(1, batch, 0, 1) / batch
-
-
 def routing() -> dict:
-    """Token-level routing's active parameters and modeled decode cost beside dense models
-    and beside the request-level router's measured costs (results/routing.json)."""
-    models = {}
-    for name, shape in REAL.items():
-        c = counts(*shape)
-        per = {str(b): dict(moe=decode_seconds(c, b), dense_same_total=decode_seconds(
-            c, b, "total"), dense_same_active=decode_seconds(c, b, "active"))
-            for b in (1, 8, 64)}
-        for v in per.values():
-            v["moe_over_dense_same_total"] = v["moe"] / v["dense_same_total"]
-        models[name] = dict(total_params=c["total"], active_params=c["active"],
-                            active_share=c["active"] / c["total"], decode_s_per_token=per)
+    """Token-level routing's active parameters and modeled costs (study/moe_cost.py) beside
+    the request-level router's (results/routing.json): per request at the size of that
+    experiment's requests when its file is there."""
+    from paged_jax.study import moe_cost
+
     path = common.RESULTS / "routing.json"
-    request = None
+    request, size = None, (128, 128)
     if path.is_file():
         r = json.loads(path.read_text())
+        out = r["cost"]["output_tokens"]  # per model
+        size = (round(r["cost"]["prompt_tokens"]), max(1, round(max(out.values()))))
         request = dict(models=r["models"], modeled_gpu_s_per_request=r["cost"]["modeled_gpu"],
                        cost_saved_at_95_modeled_gpu=r.get("cost_saved_at_95_modeled_gpu"),
-                       source="results/routing.json")
-    return dict(token_level=models, request_level=request)
+                       source="results/routing.json", commit=r["provenance"]["commit"])
+    return dict(gpu=moe_cost.H200, request_tokens=size, request_level=request,
+                token_level={name: moe_cost.compare(shape, request=size)
+                             for name, shape in moe_cost.REAL.items()})
 
 
 def report(payload: dict) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from paged_jax.study.cost_model import GpuCostModel, TensorParallelRoofline
 
 
@@ -45,3 +47,27 @@ def test_tensor_parallel_roofline_splits_weights_and_counts_communication():
     assert one / 2 < two < one
     assert math.isclose(two - m.comm_seconds(2, 1),
                         (m.weight_bytes(2) + 1024 * m.kv_bytes_per_token(2)) / m.bandwidth)
+
+
+def test_moe_shapes_reproduce_published_parameter_counts():
+    """Mixtral 8x7B: 46.7B parameters, 12.9B active per token (Mistral AI's figures);
+    Qwen1.5-MoE-A2.7B: 14.3B and 2.7B; OLMoE-1B-7B: 6.9B and 1.3B."""
+    from paged_jax.study.moe_cost import REAL
+
+    got = {n: (round(s.total / 1e9, 1), round(s.active / 1e9, 1)) for n, s in REAL.items()}
+    assert got == {"Mixtral-8x7B": (46.7, 12.9), "Qwen1.5-MoE-A2.7B": (14.3, 2.7),
+                   "OLMoE-1B-7B": (6.9, 1.3)}
+
+
+def test_moe_decode_reads_what_its_batch_touches():
+    """Batch 1 reads the active parameters (a dense model of that size costs the same);
+    a large batch touches every expert (a dense model of the total size costs the same);
+    in between the MoE costs less than the dense total."""
+    from paged_jax.study.moe_cost import REAL, compare
+
+    m = REAL["Mixtral-8x7B"]
+    assert m.touched(1) == pytest.approx(m.top_k) and m.touched(512) == pytest.approx(8)
+    c = compare(m)["decode_s_per_token"]
+    assert c["1"]["moe"] == pytest.approx(c["1"]["dense_same_active"])
+    assert c["64"]["moe"] == pytest.approx(c["64"]["dense_same_total"], rel=1e-6)
+    assert 0.5 < c["8"]["moe_over_dense_same_total"] < 1

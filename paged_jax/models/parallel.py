@@ -8,6 +8,9 @@
               one psum for the embedding lookup and one all-gather of the logits
     the rest  page tables, the block pool's bookkeeping and sampling: replicated, the same
               pure functions on every device (the allocator does not know about the mesh)
+    MoE       experts split on their expert axis (expert parallelism), the router replicated:
+              each device runs its experts' share of the (token, expert) pairs and the psum
+              after the MLP joins them (models/moe.py); a shared expert splits like an MLP
 
 Heads are split evenly: N must divide the query heads and the MLP width, and either divide
 the KV heads or be a multiple of them. When N exceeds the KV heads, each KV head is
