@@ -138,3 +138,83 @@ def test_olmoe_clip_qkv_is_refused():
               num_experts=8, num_experts_per_tok=2, clip_qkv=8.0)
     with pytest.raises(ValueError, match="clip_qkv"):
         config_from_hf(hf)
+
+
+def _gguf_from_hf(folder, path, arch: str, config) -> None:
+    """The HF folder's weights (float32) written as llama.cpp lays out an MoE GGUF: merged
+    [X, out, in] experts, q/k rows permuted for a "llama" file, the shared expert's gate a
+    vector."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from tests.test_models_gguf import permute
+
+    hf = load_file(folder / "model.safetensors")
+    w = gguf.GGUFWriter(str(path), arch)
+    for k, v in dict(block_count=2, context_length=256, embedding_length=64,
+                     feed_forward_length=96, **{"attention.head_count": 4,
+                                                "attention.head_count_kv": 2},
+                     expert_count=8, expert_used_count=2,
+                     expert_feed_forward_length=config.moe_intermediate_size,
+                     expert_shared_feed_forward_length=config.shared_expert_intermediate_size,
+                     **{"rope.dimension_count": 16}).items():
+        w.add_uint32(f"{arch}.{k}", v)
+    w.add_float32(f"{arch}.rope.freq_base", config.rope_theta)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["<unk>", "<s>", "</s>", "a", "b", "ab"] + [f"t{i}" for i in range(90)])
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(2)
+    moe = "block_sparse_moe" if arch == "llama" else "mlp"
+    experts = {"ffn_gate_exps": ("w1", "gate_proj"), "ffn_up_exps": ("w3", "up_proj"),
+               "ffn_down_exps": ("w2", "down_proj")}
+    names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+             "output": "lm_head"}
+    for g, h in names.items():
+        w.add_tensor(f"{g}.weight", hf[f"{h}.weight"])
+    for i in range(2):
+        pre = f"model.layers.{i}."
+        for g, h in dict(attn_q="q_proj", attn_k="k_proj", attn_v="v_proj",
+                         attn_output="o_proj").items():
+            for kind in ("weight", "bias"):
+                if (x := hf.get(f"{pre}self_attn.{h}.{kind}")) is None:
+                    continue
+                if arch == "llama" and g in ("attn_q", "attn_k"):
+                    x = permute(x, 4 if g == "attn_q" else 2)
+                w.add_tensor(f"blk.{i}.{g}.{kind}", x)
+        w.add_tensor(f"blk.{i}.attn_norm.weight", hf[f"{pre}input_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", hf[f"{pre}post_attention_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", hf[f"{pre}{moe}.gate.weight"])
+        for g, (mix, qwen) in experts.items():
+            part = mix if arch == "llama" else qwen
+            w.add_tensor(f"blk.{i}.{g}.weight", np.stack(
+                [hf[f"{pre}{moe}.experts.{j}.{part}.weight"] for j in range(8)]))
+        if arch == "qwen2moe":
+            for g, h in dict(ffn_gate_shexp="gate_proj", ffn_up_shexp="up_proj",
+                             ffn_down_shexp="down_proj").items():
+                w.add_tensor(f"blk.{i}.{g}.weight", hf[f"{pre}mlp.shared_expert.{h}.weight"])
+            w.add_tensor(f"blk.{i}.ffn_gate_inp_shexp.weight",
+                         hf[f"{pre}mlp.shared_expert_gate.weight"][0])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("variant, arch", [("mixtral", "llama"), ("qwen2_moe", "qwen2moe")])
+def test_moe_gguf_gives_the_safetensors_model(tmp_path, variant, arch):
+    """An MoE GGUF (Mixtral as a "llama" file with experts, Qwen2-MoE with its shared expert)
+    loads to the same config fields and the same weights as the HF folder it came from."""
+    from paged_jax.models import load_gguf
+
+    make_hf(*VARIANTS[variant], tmp_path)
+    config, params = load_safetensors(tmp_path)
+    _gguf_from_hf(tmp_path, tmp_path / "tiny.gguf", arch, config)
+    got_cfg, got, _ = load_gguf(tmp_path / "tiny.gguf")
+    for field in ("architecture", "num_experts", "num_experts_per_tok", "norm_topk_prob",
+                  "moe_intermediate_size", "shared_expert_intermediate_size",
+                  "attention_bias", "tie_word_embeddings"):
+        assert getattr(got_cfg, field) == getattr(config, field), field
+    assert set(got["layers"]) == set(params["layers"])
+    for key, want in params["layers"].items():
+        np.testing.assert_array_equal(got["layers"][key], want, err_msg=key)

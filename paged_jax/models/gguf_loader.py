@@ -8,6 +8,10 @@ Gemma 3 files leave some hyperparameters out, which llama.cpp fixes in code and 
 five sliding-window layers per full one, RoPE base 10k on the sliding layers, and a query
 scale of head_dim ** -0.5 (hidden / heads for the 27B). Their norm weights already hold
 Gemma's 1 + w.
+
+Mixture-of-experts files (Mixtral as "llama" with expert keys, "qwen2moe", "qwen3moe") hold
+each layer's experts merged in one [X, out, in] tensor per projection (llama.cpp's
+`ffn_*_exps`); older Mixtral files with one tensor per expert are not read.
 """
 
 from __future__ import annotations
@@ -25,7 +29,11 @@ from paged_jax.models.llama import Params
 from paged_jax.models.params import build_params
 from paged_jax.models.tokenizer import Tokenizer, gguf_stop_ids, tokenizer_from_gguf
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "gemma3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "gemma3", "qwen2moe", "qwen3moe")
+# Mixture-of-experts files: our architecture name (a "llama" file with experts is Mixtral) and
+# whether the kept experts' weights are renormalised (llama.cpp's rule per architecture).
+MOE_ARCHS = {"llama": ("mixtral", True), "mistral": ("mixtral", True),
+             "qwen2moe": ("qwen2_moe", False), "qwen3moe": ("qwen3_moe", True)}
 PERMUTED_ARCHS = ("llama", "mistral")  # q/k rows interleaved for llama.cpp's RoPE
 GEMMA3_PATTERN = 6  # every sixth layer attends globally (llama.cpp: set_swa_pattern(6))
 GEMMA3_LOCAL_THETA = 10000.0
@@ -36,6 +44,10 @@ _GGUF_LAYER = {
     "w_down": "ffn_down.weight", "attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight",
     "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
     "post_attn_norm": "post_attention_norm.weight", "post_mlp_norm": "post_ffw_norm.weight",
+    "router": "ffn_gate_inp.weight", "e_gate": "ffn_gate_exps.weight",
+    "e_up": "ffn_up_exps.weight", "e_down": "ffn_down_exps.weight",
+    "s_gate": "ffn_gate_shexp.weight", "s_up": "ffn_up_shexp.weight",
+    "s_down": "ffn_down_shexp.weight", "s_router": "ffn_gate_inp_shexp.weight",
 }
 _GGUF_GLOBAL = {"embed": "token_embd.weight", "final_norm": "output_norm.weight",
                 "lm_head": "output.weight"}
@@ -70,6 +82,20 @@ def _gemma3_fields(key, n_layers: int, width: int, heads: int, head_dim: int) ->
     )
 
 
+def _moe_fields(arch: str, key) -> dict:
+    """The mixture-of-experts fields of ModelConfig from a GGUF's expert keys."""
+    name, norm = MOE_ARCHS.get(arch, (None, False))
+    if name is None:
+        raise ValueError(f"GGUF architecture {arch!r} with experts is not supported")
+    return dict(architecture=name, num_experts=key("expert_count"),
+                num_experts_per_tok=key("expert_used_count"),
+                moe_intermediate_size=key("expert_feed_forward_length")
+                or key("feed_forward_length"),
+                shared_expert_intermediate_size=key("expert_shared_feed_forward_length", 0),
+                norm_topk_prob=bool(key("expert_weights_norm", norm)),
+                **(dict(qk_norm=True) if arch == "qwen3moe" else {}))
+
+
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
     """ModelConfig from GGUF metadata (and which tensors exist: output.weight, rope_freqs)."""
     arch = meta.get("general.architecture")
@@ -87,6 +113,8 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConf
         scaling = (("factors", tuple(factors)), ("rope_type", "freq_factors"))
     extra = (_gemma3_fields(key, key("block_count"), width, heads, head_dim)
              if arch == "gemma3" else {"rope_scaling": scaling})
+    if key("expert_count"):
+        extra.update(_moe_fields(arch, key))
     return ModelConfig(
         vocab_size=key("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
         hidden_size=width, intermediate_size=key("feed_forward_length"),
@@ -141,7 +169,7 @@ def load_gguf(
             x = unpermute(x, config.num_heads)
         elif permuted and base in ("wk", "bk"):
             x = unpermute(x, config.num_kv_heads)
-        return x
+        return x.reshape(1, -1) if base == "s_router" else x  # llama.cpp: a vector
 
     params = build_params(config, get, dtype, file_name=gguf_name)
     return config, params, tokenizer_from_gguf(meta)
