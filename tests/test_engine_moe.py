@@ -135,3 +135,16 @@ def test_expert_parallel_layout_rules():
     olmoe = dataclasses.replace(cfg, qk_norm=True, qk_norm_span="all")
     with pytest.raises(ValueError, match="OLMoE"):
         parallel.layout(olmoe, 2)
+
+
+def test_quantized_weights_leave_the_experts_in_float():
+    """int8 weights pack attention and the head for the CPU kernel; the experts stay float
+    arrays (the grouped path's dots), and the engine serves every request."""
+    from kernels.cpu_matmul import Packed
+
+    eng = engine(moe_parts(shared=64), quantization="int8")
+    outs = run(eng, workload())
+    layer = eng.params["layers"][0]
+    assert isinstance(layer["w_qkv"], Packed) and isinstance(layer["s_gate_up"], Packed)
+    assert not isinstance(layer["e_gate_up"], Packed) and layer["e_gate_up"].dtype == "float32"
+    assert len(outs) == N and all(len(o.outputs[0].token_ids) == 24 for o in outs.values())

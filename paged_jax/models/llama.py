@@ -321,18 +321,25 @@ def forward(
     batch = (positions, cache_positions, block_tables, seq_lens, query_start)
     attn = (("max_q", max_q), ("backend", backend), ("max_q_rows", max_q_rows),
             ("decode_pages", decode_pages), ("scale", config.query_scale), ("tp", tp))
-    layers, loads = [], []
-    for i, p in enumerate(runtime_layers(params)):
-        window = config.window(i)
-        x, kv, load = decoder_layer(p, x, cache.layer(i), batch,
-                                    rot if window is None else rot_local,
-                                    config=config, attn=(*attn, ("window", window)))
-        layers.append(kv)
-        loads.append(load)
+    x, layers, loads = _layers(params, x, cache, batch, (rot, rot_local), config, attn)
     out = _outputs(params, x, query_start, config, tp, all_logits, with_hidden)
     if router_load:
         out = (out, jnp.stack(loads))
     return out, KVCache.of_layers(layers)
+
+
+def _layers(params: Params, x: Float[Array, "T E"], cache: KVCache, batch: tuple,
+            rots: tuple, config: ModelConfig, attn: tuple):
+    """Every decoder layer in turn: (x, each layer's (K, V) pages, each one's expert load).
+    `rots`: the (cos, sin) of full and of sliding-window layers."""
+    layers, loads = [], []
+    for i, p in enumerate(runtime_layers(params)):
+        window = config.window(i)
+        x, kv, load = decoder_layer(p, x, cache.layer(i), batch, rots[window is not None],
+                                    config=config, attn=(*attn, ("window", window)))
+        layers.append(kv)
+        loads.append(load)
+    return x, layers, loads
 
 
 def _embed(embed: Float[Array, "V E"] | Packed, token_ids: Int[Array, "T"],

@@ -69,12 +69,12 @@ def layout(config: ModelConfig, n: int) -> Layout:
     q, h, f = config.num_heads, config.num_kv_heads, config.intermediate_size
     if n < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {n}")
+    if q % n:
+        raise ValueError(f"tensor_parallel_size={n} must divide the query heads ({q})")
     if config.is_moe:
         _check_moe(config, n)
     elif f % n:
         raise ValueError(f"tensor_parallel_size={n} must divide the MLP width ({f})")
-    if q % n:
-        raise ValueError(f"tensor_parallel_size={n} must divide the query heads ({q})")
     if h % n and n % h:
         raise ValueError(f"tensor_parallel_size={n} must divide the KV heads ({h}) or be a "
                          "multiple of them")
