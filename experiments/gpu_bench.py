@@ -11,6 +11,9 @@
    checkpoint), ShareGPT-like requests all arriving at once; output tok/s and mean batch for
    paged KV vs static batching vs Orca-style max reservation under the same KV pool; and the
    decode step at batch 64 vs its roofline (weights + cached K/V bytes / copy bandwidth).
+3. one mixture-of-experts MLP of OLMoE-1B-7B's shape (hidden 2048, 64 experts of 1024, top
+   8), random bf16 weights: ms per expert path (models/moe.py: grouped, dense, ragged_dot)
+   at 1, 16 and 256 tokens, and grouped over dense.
 
 Writes gpu_bench.json and gpu_bench.png (when matplotlib imports) to --out ($OUT, else
 results/). Without a GPU it prints the plan and exits with status 2. Needs only jax, numpy
@@ -36,6 +39,9 @@ ENGINE = dict(block_size=16, num_kv_blocks=4097, max_num_seqs=128, max_num_batch
 WORKLOAD = dict(dataset="sharegpt", requests=96, scale=0.5, seed=0)
 POLICIES = ("paged", "orca-max", "static")
 DECODE = dict(batch=64, prompt=512, tokens=128)  # the decode-step roofline point
+OLMOE_MLP = dict(hidden_size=2048, num_experts=64, num_experts_per_tok=8,
+                 moe_intermediate_size=1024)  # OLMoE-1B-7B's MLP
+MOE_TOKENS = (1, 16, 256)
 
 
 @dataclasses.dataclass
@@ -49,6 +55,7 @@ class Plan:
     decode: dict
     kernel_budget_s: float
     engine_budget_s: float
+    moe_budget_s: float = 0.0
 
     def describe(self) -> str:
         m = self.model
@@ -73,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_plan(budget_s: float, model: dict | None = None, engine: dict | None = None,
               workload: dict | None = None, decode: dict | None = None) -> Plan:
     return Plan(model or LLAMA_1B, engine or ENGINE, workload or WORKLOAD, POLICIES,
-                decode or DECODE, 0.4 * budget_s, 0.6 * budget_s)
+                decode or DECODE, 0.35 * budget_s, 0.55 * budget_s, 0.1 * budget_s)
 
 
 # ------------------------------------------------------------------------------- the engine
@@ -195,6 +202,45 @@ def run_engine(plan: Plan, bandwidth: float, budget_s: float, backend: str | Non
     return dict(policies=rows, decode=roof, workload=describe(items))
 
 
+# ------------------------------------------------------------------------------- MoE
+def moe_mlp(budget_s: float, shape: dict = OLMOE_MLP, tokens: tuple[int, ...] = MOE_TOKENS,
+            dtype: str = "bfloat16") -> dict:
+    """Section 3: one MoE MLP (random weights drawn on the device) per expert path and token
+    count: median ms of 10 calls after a compiling one; paths left out past the budget."""
+    import jax
+    import jax.numpy as jnp
+
+    from paged_jax.models import moe
+    from paged_jax.models.testing import tiny_moe_config
+
+    cfg, dt, deadline = tiny_moe_config(**shape), jnp.dtype(dtype), time.perf_counter() + budget_s
+    e, x, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    keys = iter(jax.random.split(jax.random.PRNGKey(0), 8))
+    draw = lambda *s: (jax.random.normal(next(keys), s) * s[-1] ** -0.5).astype(dt)  # noqa: E731
+    p = {"router": draw(x, e), "e_gate_up": draw(x, 2 * f, e), "e_down": draw(x, e, f)}
+    rows = []
+    for t in tokens:
+        h = draw(t, e)
+        for impl in moe.IMPLS:
+            if time.perf_counter() > deadline:
+                rows.append(dict(tokens=t, impl=impl, skipped="budget"))
+                continue
+            c = dataclasses.replace(cfg, moe_impl=impl)
+            fn = jax.jit(lambda p, h, c=c: moe.moe_block(p, h, c, jnp.ones(h.shape[0], bool))[0])
+            fn(p, h).block_until_ready()
+            ms = []
+            for _ in range(10):
+                t0 = time.perf_counter()
+                fn(p, h).block_until_ready()
+                ms.append(1e3 * (time.perf_counter() - t0))
+            rows.append(dict(tokens=t, impl=impl, ms=sorted(ms)[5]))
+            print(f"moe {t:4d} tokens {impl:10s} {rows[-1]['ms']:.3f} ms", flush=True)
+    ms = {(r["tokens"], r["impl"]): r["ms"] for r in rows if "ms" in r}
+    speed = {str(t): ms[(t, "dense")] / ms[(t, "grouped")] for t in tokens
+             if (t, "dense") in ms and (t, "grouped") in ms}
+    return dict(shape=shape, dtype=dtype, rows=rows, grouped_over_dense=speed)
+
+
 # ------------------------------------------------------------------------------- output
 def write(result: dict, out: Path) -> list[Path]:
     """gpu_bench.json, and gpu_bench.png when matplotlib is there."""
@@ -259,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         result["engine"] = run_engine(plan, bandwidth, plan.engine_budget_s)
     except Exception as e:  # keep the kernel numbers whatever happens to the engine
         result["engine"] = dict(error=f"{type(e).__name__}: {e}"[:500])
+    try:
+        result["moe"] = moe_mlp(plan.moe_budget_s)
+    except Exception as e:
+        result["moe"] = dict(error=f"{type(e).__name__}: {e}"[:500])
     for p in write(result, Path(args.out)):
         print("wrote", p)
     ok = kernels["checks"] and all(c["ok"] for c in kernels["checks"])

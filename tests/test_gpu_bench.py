@@ -27,7 +27,7 @@ def test_plan_and_no_gpu(capsys):
     plan = gpu_bench.make_plan(270)
     text = plan.describe()
     assert "16 layers" in text and "32/8" in text and "4096 blocks of 16" in text
-    assert plan.kernel_budget_s + plan.engine_budget_s == pytest.approx(270)
+    assert plan.kernel_budget_s + plan.engine_budget_s + plan.moe_budget_s == pytest.approx(270)
     assert gpu_bench.main(["--dry-run"]) == 0
     if jax.default_backend() != "gpu":
         assert gpu_bench.main([]) == 2
@@ -60,6 +60,18 @@ def test_engine_section_and_outputs(tmp_path):
     assert (tmp_path / "gpu_bench.png").stat().st_size > 0
 
 
+def test_moe_section_times_every_path():
+    """Section 3 on a small MoE MLP in float32 on this CPU: every path timed, grouped over
+    dense reported."""
+    from paged_jax.models import moe
+
+    shape = dict(hidden_size=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    res = gpu_bench.moe_mlp(600, shape=shape, tokens=(1, 16), dtype="float32")
+    assert {(r["tokens"], r["impl"]) for r in res["rows"] if r["ms"] > 0} == {
+        (t, i) for t in (1, 16) for i in moe.IMPLS}
+    assert set(res["grouped_over_dense"]) == {"1", "16"}
+
+
 BLOCKED = ("tokenizers", "tqdm", "gguf", "safetensors", "jinja2", "transformers", "torch",
            "matplotlib", "hypothesis")
 
@@ -78,6 +90,10 @@ def test_runs_with_only_jax_numpy_and_jaxtyping(tmp_path):
         tiny = dict(TINY, workload=dict(TINY["workload"], requests=2))
         res = gpu_bench.run_engine(gpu_bench.make_plan(60, **tiny), 20e9, 600)
         assert all(r["complete"] for r in res["policies"]), res
+        moe = gpu_bench.moe_mlp(60, shape=dict(hidden_size=64, num_experts=4,
+                                                num_experts_per_tok=2,
+                                                moe_intermediate_size=32), tokens=(4,))
+        assert moe["grouped_over_dense"], moe
         paths = gpu_bench.write(dict(engine=res), __import__("pathlib").Path({str(tmp_path)!r}))
         assert [p.name for p in paths] == ["gpu_bench.json"]
         print("ok")
