@@ -71,3 +71,48 @@ def all_free(eng: Engine) -> bool:
     cached_free = int((pool.cached & (pool.refcount == 0)).sum())
     return (not bool(pool.refcount.any())
             and int(pool.num_free) + cached_free == eng.config.num_kv_blocks - 1)
+
+
+def check_prefix_hits(parts) -> None:
+    """Requests sharing a system prompt give the same greedy tokens with prefix caching (hits
+    asserted) as without."""
+    shared = "a shared system prompt of some length, " * 3
+    reqs = [(str(i), shared + p, GREEDY) for i, p in enumerate(prompts(6))]
+    cold = run(engine(parts, enable_prefix_caching=False), reqs)
+    eng = engine(parts, enable_prefix_caching=True)
+    run(eng, reqs[:1])
+    warm = run(eng, [(f"w{rid}", p, sp) for rid, p, sp in reqs])
+    assert sum(o.num_cached_tokens or 0 for o in warm.values()) > 0
+    for rid, _, _ in reqs:
+        assert tokens(warm, f"w{rid}") == tokens(cold, rid), rid
+
+
+def check_beam_search(parts) -> None:
+    """beam_search's two beams of 4 tokens equal a brute-force search over the model's
+    log-probabilities (one PagedLoop forward per candidate), and every block comes back."""
+    import numpy as np
+
+    from paged_jax.cache.config import CacheConfig
+    from paged_jax.engine.beam_search import beam_search
+    from paged_jax.models.reference_loop import PagedLoop
+    from paged_jax.sampling_params import BeamSearchParams
+
+    config, params, tok = parts
+    ids = tok.encode("beam me up")
+
+    def logprobs(seq):
+        logits = PagedLoop(config, params, CacheConfig(64, 8, 1, 32)).step([seq])[0]
+        return logits - np.logaddexp.reduce(logits)
+
+    beams = [([], 0.0)]
+    for _ in range(4):
+        cands = [(t + [int(x)], c + float(lp[x])) for t, c in beams
+                 for lp in [logprobs(ids + t)] for x in np.argsort(-lp)[:4]]
+        beams = sorted(cands, key=lambda b: -b[1])[:2]
+    eng = engine(parts)
+    out, _ = beam_search(eng, "beam me up", BeamSearchParams(beam_width=2, max_tokens=4,
+                                                             ignore_eos=True))
+    got = sorted((s.tokens[len(ids):], s.cum_logprob) for s in out.sequences)
+    for (g, gl), (w, wl) in zip(got, sorted(beams), strict=True):
+        assert g == w and abs(gl - wl) < 1e-3
+    assert all_free(eng)

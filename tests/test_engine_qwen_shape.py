@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import pytest
 
-from paged_jax.cache.config import CacheConfig
-from paged_jax.engine.beam_search import beam_search
-from paged_jax.models.reference_loop import PagedLoop
 from paged_jax.models.testing import byte_tokenizer, random_params, tiny_qwen2_config
-from paged_jax.sampling_params import BeamSearchParams
-from tests.engine_helpers import GREEDY, all_free, engine, prompts, run, tokens
+from tests.engine_helpers import (
+    GREEDY,
+    all_free,
+    check_beam_search,
+    check_prefix_hits,
+    engine,
+    prompts,
+    run,
+    tokens,
+)
 
 pytestmark = pytest.mark.slow
 N = 12
@@ -51,34 +55,8 @@ def test_preemption_loses_nothing(batched, mode):
 
 
 def test_prefix_hits_give_the_same_tokens():
-    shared = "a shared system prompt of some length, " * 3
-    reqs = [(str(i), shared + p, GREEDY) for i, p in enumerate(prompts(6))]
-    cold = run(engine(qwen_parts(), enable_prefix_caching=False), reqs)
-    eng = engine(qwen_parts(), enable_prefix_caching=True)
-    run(eng, reqs[:1])
-    warm = run(eng, [(f"w{rid}", p, sp) for rid, p, sp in reqs])
-    assert sum(o.num_cached_tokens or 0 for o in warm.values()) > 0
-    for rid, _, _ in reqs:
-        assert tokens(warm, f"w{rid}") == tokens(cold, rid), rid
+    check_prefix_hits(qwen_parts())
 
 
 def test_beam_search_matches_a_brute_force_reference():
-    config, params, tok = qwen_parts()
-    ids = tok.encode("beam me up")
-
-    def logprobs(seq):
-        logits = PagedLoop(config, params, CacheConfig(64, 8, 1, 32)).step([seq])[0]
-        return logits - np.logaddexp.reduce(logits)
-
-    beams = [([], 0.0)]
-    for _ in range(4):
-        cands = [(t + [int(x)], c + float(lp[x])) for t, c in beams
-                 for lp in [logprobs(ids + t)] for x in np.argsort(-lp)[:4]]
-        beams = sorted(cands, key=lambda b: -b[1])[:2]
-    eng = engine(qwen_parts())
-    out, _ = beam_search(eng, "beam me up", BeamSearchParams(beam_width=2, max_tokens=4,
-                                                             ignore_eos=True))
-    got = sorted((s.tokens[len(ids):], s.cum_logprob) for s in out.sequences)
-    for (g, gl), (w, wl) in zip(got, sorted(beams), strict=True):
-        assert g == w and abs(gl - wl) < 1e-3
-    assert all_free(eng)
+    check_beam_search(qwen_parts())

@@ -17,6 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 from paged_jax.models import config_from_hf, load_safetensors  # noqa: E402
 from paged_jax.models.reference_loop import paged_loop  # noqa: E402
+from tests.test_models_tiny import hf_logits  # noqa: E402
+from tests.test_models_tiny import make_hf as tiny_hf  # noqa: E402
 
 BASE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1,
@@ -36,24 +38,8 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 
 
 def make_hf(kind: str, overrides: dict, folder) -> torch.nn.Module:
-    """A random HF model of `kind`, saved as safetensors into `folder`; norms random too (all
-    ones would hide a wrong norm), the router scaled up so experts' weights differ clearly."""
-    torch.manual_seed(0)
-    cfg = transformers.AutoConfig.for_model(kind, **{**BASE, **overrides})
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
-            elif "gate.weight" in name and "proj" not in name:  # routers and the shared gate
-                p.copy_(torch.randn_like(p) * 0.5)
-    model.save_pretrained(folder)
-    return model
-
-
-def hf_logits(model, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
+    """test_models_tiny's random model on this file's base config, routers spread wider."""
+    return tiny_hf(kind, overrides, folder, base=BASE, router_std=0.5)
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))

@@ -39,15 +39,20 @@ VARIANTS = {
 TOL = dict(rtol=1e-4, atol=1e-4)
 
 
-def make_hf(kind: str, overrides: dict, folder) -> torch.nn.Module:
-    """A random HF model of `kind`, saved as safetensors into `folder`."""
+def make_hf(kind: str, overrides: dict, folder, base: dict = BASE,
+            router_std: float | None = None) -> torch.nn.Module:
+    """A random HF model of `kind` (config `base` updated by `overrides`), saved as
+    safetensors into `folder`; `router_std`: MoE routers (and a shared expert's gate) drawn
+    with this spread, so the experts' weights of a token differ clearly."""
     torch.manual_seed(0)
-    cfg = transformers.AutoConfig.for_model(kind, **{**BASE, **overrides})
+    cfg = transformers.AutoConfig.for_model(kind, **{**base, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # random biases/norms: zeros and ones would hide layout bugs
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+            elif router_std and "gate.weight" in name and "proj" not in name:
+                p.copy_(torch.randn_like(p) * router_std)
     model.save_pretrained(folder)
     return model
 
