@@ -126,3 +126,20 @@ def test_quantized_weights_leave_the_experts_in_float():
     assert isinstance(layer["w_qkv"], Packed) and isinstance(layer["s_gate_up"], Packed)
     assert not isinstance(layer["e_gate_up"], Packed) and layer["e_gate_up"].dtype == "float32"
     assert len(outs) == N and all(len(o.outputs[0].token_ids) == 24 for o in outs.values())
+
+
+def test_speculation_and_pallas_attention_give_the_same_tokens(batched):
+    """An MoE target verified by n-gram speculation (k + 1 query tokens per row through the
+    same MLP), and the attention on the Pallas kernels (interpreted): the plain tokens."""
+    from paged_jax.engine.speculative import SpeculativeConfig
+
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
+                             prompt_lookup_max=3)
+    eng = engine(moe_parts(), speculative=spec, async_scheduling=False)
+    outs = run(eng, workload())
+    assert eng.scheduler.spec.num_drafts > 0
+    pallas = run(engine(moe_parts(), backend="pallas"), workload()[:3])
+    for rid in batched:
+        assert tokens(outs, rid) == tokens(batched, rid), rid
+    for rid in pallas:
+        assert tokens(pallas, rid) == tokens(batched, rid), rid
