@@ -64,7 +64,8 @@ def make_sides(model: str, parts, bf16: bool) -> list:
     peer = bench.make_sides(["llamacpp"], model, parts)
     for layer in params["layers"]:  # each float weight dropped as soon as it is packed
         for k in PROJECTIONS:
-            layer[k] = cpu_matmul.pack(layer[k])
+            if k in layer:  # a dense layer has no shared expert
+                layer[k] = cpu_matmul.pack(layer[k])
     head = "lm_head" if "lm_head" in params else "embed"
     params[head] = cpu_matmul.pack(params[head])
     sides.insert(0, bench.Ours(parts, False, name="float32"))
