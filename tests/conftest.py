@@ -95,6 +95,8 @@ SLOW_TESTS = {
 ONE_BIG_MODEL_AT_A_TIME = {
     "test_models_qwen.py", "test_models_gemma3.py", "test_models_smollm2.py",
     "test_experiments.py::test_bench_puts_every_side_on_the_same_rows",
+    # its pool child held 7.5 GB; beside a big model's test a worker was OOM-killed in CI
+    "test_experiments.py::test_weight_quantization_reports_every_side_and_target",
 }
 
 
