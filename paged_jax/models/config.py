@@ -257,8 +257,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         # Qwen2 always has q/k/v biases; its config has no attention_bias key.
-        attention_bias=fields.pop("attention_bias", None)
-        or bool(hf.get("attention_bias", "Qwen2ForCausalLM" in archs)),
+        attention_bias=fields.pop("attention_bias",
+                                  bool(hf.get("attention_bias", "Qwen2ForCausalLM" in archs))),
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_as_tuple(hf.get("eos_token_id")),
