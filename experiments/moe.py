@@ -133,20 +133,15 @@ def layer(rounds: int, batch: int) -> dict:
 
 def load(batch: int, tokens: int) -> dict:
     """The router's tokens per expert, step by step, of a batched greedy run."""
-    from paged_jax.models.reference_loop import greedy, paged_loop
+    from paged_jax.models.reference_loop import paged_loop
 
     cfg, params, tok = model_parts("grouped")
-    prompts = [tok.encode(p) for p in request_prompts(batch)]
     runner = paged_loop(cfg, params, num_seqs=batch, max_len=128, block_size=16)
-    loads = []
-    step = runner.step
-
-    def recording(new_tokens, all_logits=False):
-        out = step(new_tokens, all_logits)
+    logits = runner.step([tok.encode(p) for p in request_prompts(batch)])
+    loads = [runner.last_load]
+    for _ in range(tokens - 1):  # greedy decode, one token per sequence per step
+        logits = runner.step([[int(t)] for t in logits.argmax(-1)])
         loads.append(runner.last_load)
-        return out
-    runner.step = recording
-    greedy(runner, prompts, tokens)
     arr = np.stack(loads)  # [steps, L, X]
     per = arr.astype(float)
     imbalance = per.max(-1) / per.mean(-1)
