@@ -1,15 +1,19 @@
-"""How much KV a per-layer-group pool would save on Gemma 3's sliding-window layers.
+"""How much KV the hybrid KV cache saves on Gemma 3's sliding-window layers: arithmetic, and
+the real engine.
 
-    python -m experiments.sliding_window_kv [--model gemma3] [--budget-gib 1]
+    python -m experiments.sliding_window_kv [--budget-gib 1] [--no-engine] [--no-real]
 
-paged-jax keeps one page table per sequence shared by every layer (vLLM's first paged
-design): a sequence of L tokens holds ceil(L / block) blocks in each of the model's layers.
-A sliding-window layer only ever reads the last `window` keys, so in a per-layer-group pool
-(vLLM V1's hybrid KV cache manager) the local layers would hold at most
-ceil(window / block) + 1 blocks per sequence (the window straddles a block edge) and free the
-rest; full-attention layers keep everything. This script computes both from the model's
+With one KV cache group for every layer (vLLM's first paged design) a sequence of L tokens
+holds ceil(L / block) blocks in each of the model's layers. A sliding-window layer only ever
+reads the last `window` keys, so with its own groups (vLLM V1's hybrid KV cache manager;
+paged_jax/cache/groups.py) it holds at most ceil(window / block) + 1 blocks per sequence and
+frees the rest; full-attention layers keep everything. Part 1 computes both from the model's
 config (no weights are loaded) for contexts from 256 to the model's limit, and the sequences
-of each length a fixed KV budget holds. The trade-off is in docs/architecture.md.
+of each length a fixed KV budget holds. Part 2 (experiments/sliding_window_engine.py) measures
+the engine: the sequences of 1k-32k tokens it holds at once in that budget with each layout,
+and output throughput at memory saturation on the real model. Targets (issue 36): >= 3x the
+sequences of 4k tokens, >= 4 of 32k where one group fits 0, every hybrid count within 5% of
+part 1's arithmetic.
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ from __future__ import annotations
 import argparse
 import math
 
+from experiments import sliding_window_engine as sw
 from experiments.common import pyplot, save_json, save_plot, table
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.gguf_loader import config_from_gguf
 
 CONTEXTS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+ENGINE_CONTEXTS = (1024, 2048, 4096, 8192, 32768)
 
 
 def gemma3_config() -> ModelConfig:
@@ -48,8 +54,31 @@ def blocks_per_sequence(config: ModelConfig, context: int, block: int) -> dict:
 
 
 def main(block: int = 16, budget_gib: float = 1.0, name: str = "sliding_window_kv",
-         config: ModelConfig | None = None) -> dict:
+         config: ModelConfig | None = None, engine_contexts=ENGINE_CONTEXTS,
+         real: bool = True, rounds: int = 3) -> dict:
     config = config or gemma3_config()
+    rows = arithmetic(config, block, budget_gib)
+    payload = dict(config=dict(model=config.architecture, layers=config.num_layers,
+                               sliding_layers=sum(config.window(i) is not None
+                                                  for i in range(config.num_layers)),
+                               window=config.sliding_window, block_size=block,
+                               budget_gib=budget_gib, kv_dtype="float32"), rows=rows)
+    if engine_contexts:
+        parts = sw.layout_model(config, max(engine_contexts) + 1024)
+        payload["held"] = [sw.held(parts, c, h, int(budget_gib * 2**30))
+                           for c in engine_contexts for h in sw.LAYOUTS.values()]
+        print(table(payload["held"], ["context", "layout", "groups", "pool_blocks",
+                                      "blocks_per_seq", "arithmetic", "held"]))
+        payload["targets"] = targets(payload["held"], rows)
+        print(payload["targets"])
+    if real:
+        payload["throughput"] = saturated(rounds)
+    payload["json"], payload["png"] = str(save_json(name, payload)), str(plot(rows, name))
+    return payload
+
+
+def arithmetic(config: ModelConfig, block: int, budget_gib: float) -> list[dict]:
+    """Part 1: KV per sequence and sequences per budget, one group vs per-layer groups."""
     per_block = 2 * config.num_kv_heads * config.head_dim * 4 * block  # fp32 K + V, one layer
     budget = budget_gib * 2**30
     rows = []
@@ -62,13 +91,33 @@ def main(block: int = 16, budget_gib: float = 1.0, name: str = "sliding_window_k
                          seqs_grouped=int(budget // (b["grouped"] * per_block))))
     print(table(rows, ["context", "shared_MiB", "grouped_MiB", "saving", "seqs_shared",
                        "seqs_grouped"]))
-    payload = dict(config=dict(model=config.architecture, layers=config.num_layers,
-                               sliding_layers=sum(config.window(i) is not None
-                                                  for i in range(config.num_layers)),
-                               window=config.sliding_window, block_size=block,
-                               budget_gib=budget_gib, kv_dtype="float32"), rows=rows)
-    payload["json"], payload["png"] = str(save_json(name, payload)), str(plot(rows, name))
-    return payload
+    return rows
+
+
+def targets(held: list[dict], rows: list[dict]) -> dict:
+    """Issue 36's targets from the engine's counts and part 1's arithmetic."""
+    by = {(r["context"], r["layout"]): r["held"] for r in held}
+    want = {r["context"]: r["seqs_grouped"] for r in rows}
+    off = {c: abs(by[c, "hybrid"] - want[c]) / max(1, want[c]) for c, lay in by if lay == "hybrid"}
+    out = dict(arithmetic_gap=off, arithmetic_met=max(off.values()) <= 0.05)
+    if (4096, "hybrid") in by:
+        ratio = by[4096, "hybrid"] / max(1, by[4096, "one group"])
+        out.update(ratio_4k=ratio, ratio_4k_met=ratio >= 3)
+    if (32768, "hybrid") in by:
+        out.update(seqs_32k=by[32768, "hybrid"], one_group_32k=by[32768, "one group"],
+                   met_32k=by[32768, "hybrid"] >= 4 and by[32768, "one group"] == 0)
+    return out
+
+
+def saturated(rounds: int, context: int = 2048, budget: int = 256 << 20) -> list[dict]:
+    """Part 2b: output throughput of the real Gemma 3 270M when the pool is the limit."""
+    from paged_jax.models import load_model
+
+    rows = sw.throughput(load_model("gemma3"), context=context, budget=budget, requests=12,
+                         new_tokens=64, rounds=rounds)
+    print(table(rows, ["layout", "context", "pool_blocks", "fits", "tok_s", "decode_batch",
+                       "preemptions"]))
+    return rows
 
 
 def plot(rows: list[dict], name: str):
@@ -90,5 +139,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--budget-gib", type=float, default=1.0)
+    ap.add_argument("--no-engine", action="store_true", help="part 1 only (arithmetic)")
+    ap.add_argument("--no-real", action="store_true", help="skip the real model's throughput")
+    ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
-    main(block=a.block, budget_gib=a.budget_gib)
+    main(block=a.block, budget_gib=a.budget_gib, real=not a.no_real, rounds=a.rounds,
+         engine_contexts=() if a.no_engine else ENGINE_CONTEXTS)

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from tqdm.std import tqdm as std_tqdm
 
 from paged_jax.cache import kv_quant
+from paged_jax.cache.groups import KVGroups, plan_groups
 from paged_jax.cache.kv_cache import kv_cache_bytes
 from paged_jax.engine import Engine, EngineConfig
 from paged_jax.engine.balance import Balancer
@@ -93,11 +94,27 @@ def _bar_off(use_tqdm: bool) -> bool | None:
     return None if tqdm is std_tqdm else False
 
 
-def block_bytes(config, draft: tuple | None, tp: int, block_size: int, kv_dtype) -> int:
-    """One block's bytes on one device: the model's K/V pages, and a draft model's beside
-    them (engine/draft.py)."""
+def kv_groups_for(config, hybrid: bool | None, prefix_caching: bool,
+                  speculative: SpeculativeConfig | None) -> KVGroups | None:
+    """The engine's KV cache groups (cache/groups.py): sliding-window layers in groups of
+    their own when the model has them and `hybrid` is True, or None (auto) with prefix
+    caching off and no draft model (neither runs on groups yet); else None: one group."""
+    windows = tuple(config.window(i) for i in range(config.num_layers))
+    if hybrid is False or all(w is None for w in windows):
+        return None
+    draft = speculative is not None and speculative.model is not None
+    if hybrid is None and (prefix_caching or draft):
+        return None
+    return plan_groups(windows)
+
+
+def block_bytes(config, draft: tuple | None, tp: int, block_size: int, kv_dtype,
+                groups: KVGroups | None = None) -> int:
+    """One block's bytes on one device: the model's K/V pages (one per buffer: a layer, or
+    a layer of each group), and a draft model's beside them (engine/draft.py)."""
     heads = parallel.layout(config, tp).num_kv_heads
-    size = kv_cache_bytes(config.num_layers, heads, block_size, config.head_dim, kv_dtype)
+    layers = groups.num_buffers if groups else config.num_layers
+    size = kv_cache_bytes(layers, heads, block_size, config.head_dim, kv_dtype)
     if draft is not None:
         d = draft[0]
         size += kv_cache_bytes(d.num_layers, d.num_kv_heads, block_size, d.head_dim, kv_dtype)
@@ -175,6 +192,11 @@ class LLM:
       model_parts: (config, params, tokenizer) to use instead of loading `model`.
       draft_model_parts: (config, params, tokenizer) of the draft model instead of loading
         speculative_config's `model`.
+      hybrid_kv_cache: sliding-window layers (Gemma 3's local ones) keep only their window's
+        blocks, in KV cache groups of their own (cache/groups.py; vLLM V1's hybrid KV cache
+        manager). None (auto): on for a model with windows when prefix caching is off and
+        no draft model is used (neither runs on groups yet); True: on (an error with either);
+        False: every layer holds the whole sequence's blocks, as before.
     """
 
     def __init__(
@@ -189,7 +211,8 @@ class LLM:
         kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
         data_parallel_size: int = 1, static_shapes: bool = False,
         async_scheduling: bool = True, long_prefill_token_threshold: int = 0,
-        speculative_config: dict | None = None, draft_model_parts=None, **unsupported,
+        speculative_config: dict | None = None, draft_model_parts=None,
+        hybrid_kv_cache: bool | None = None, **unsupported,
     ):
         if unsupported:
             raise TypeError(f"LLM() got unsupported arguments: {sorted(unsupported)}")
@@ -215,9 +238,10 @@ class LLM:
         if max_model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={config.max_position_embeddings}")
+        groups = kv_groups_for(config, hybrid_kv_cache, enable_prefix_caching, speculative)
         if num_kv_blocks is None:  # kv_cache_memory is per device: what one device holds
             num_kv_blocks = max(2, kv_cache_memory // block_bytes(
-                config, draft, tensor_parallel_size, block_size, kv_dtype))
+                config, draft, tensor_parallel_size, block_size, kv_dtype, groups))
         self.engine_config = EngineConfig(
             block_size=block_size, num_kv_blocks=int(num_kv_blocks), max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -228,7 +252,7 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size,
             static_shapes=static_shapes, speculative=speculative,
             async_scheduling=async_scheduling and speculative is None,  # drafts need sync
-            long_prefill_token_threshold=long_prefill_token_threshold)
+            long_prefill_token_threshold=long_prefill_token_threshold, kv_groups=groups)
         self.replicas = [Engine(config, params, tok, dataclasses.replace(
             self.engine_config, first_device=i * tensor_parallel_size), draft=draft)
             for i in range(data_parallel_size)]

@@ -25,6 +25,6 @@ def make_append(cfg: CacheConfig, max_new: int, v_sign: float = -1.0):
         real = (i < num_new[seq]) & ok
         slots = cache_positions(table, jnp.where(real, seq, -1), old[seq] + i)
         kv = values[:, None, None]
-        return pool, table, write(cache, 0, slots, kv, v_sign * kv), ok, (dst != 0).sum()
+        return pool, table, write(cache, 0, slots[0], kv, v_sign * kv), ok, (dst != 0).sum()
 
     return append

@@ -181,7 +181,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @invariant()
     def sharing_matches_model(self):
         """Physical ids map one-to-one onto the model's abstract ids."""
-        tables, fwd, back = np.asarray(self.table.block_tables), {}, {}
+        tables, fwd, back = np.asarray(self.table.block_tables[0]), {}, {}
         for s, bl in self.blocks.items():
             assert tables[s, : len(bl)].tolist() != [] or not bl
             for phys, abst in zip(tables[s, : len(bl)].tolist(), bl, strict=True):
@@ -190,7 +190,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @invariant()
     def contents_read_back(self):
         k, v = (np.asarray(x[0, 0, :, :, 0]) for x in self.cache.stacked())  # dequantized
-        tables = np.asarray(self.table.block_tables)
+        tables = np.asarray(self.table.block_tables[0])
         for s, vals in self.values.items():
             n = len(vals)
             got_k = k[tables[s]].reshape(-1)[:n]

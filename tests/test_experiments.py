@@ -105,7 +105,15 @@ def test_sliding_window_kv():
     from paged_jax.models.testing import tiny_gemma3_config
 
     config = tiny_gemma3_config(sliding_window=512, max_position_embeddings=8192)
-    data = load(sliding_window_kv.main(block=16, config=config))
+    data = load(sliding_window_kv.main(block=16, config=config, budget_gib=2 / 1024,
+                                       engine_contexts=(2048,), real=False))
+    held = {r["layout"]: r for r in data["held"]}
+    # The engine holds what its pool's block arithmetic says (one group 2, hybrid 5 here),
+    # at most one short of it (the last one may be growing when the pool runs out).
+    for r in held.values():
+        assert r["arithmetic"] - 1 <= r["held"] <= r["arithmetic"], r
+    assert held["hybrid"]["held"] > 2 * held["one group"]["held"] > 0
+    assert held["hybrid"]["groups"] == 3 and "arithmetic_met" in data["targets"]
     rows = {r["context"]: r for r in data["rows"]}
     assert rows[512]["saving"] == 0 and 0 < rows[1024]["saving"] < rows[8192]["saving"] < 1
     # 3 layers, 2 local; 8192 tokens = 512 blocks; local layers keep 512 / 16 + 1 = 33.

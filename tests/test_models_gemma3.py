@@ -71,13 +71,22 @@ def test_config_from_gguf(ours):
     assert config.tie_word_embeddings and "lm_head" not in ours[1]
 
 
-def test_greedy_matches_transformers(ours, hf_model):
+@pytest.fixture(scope="session")
+def reference(ours):
+    """Our greedy tokens and logits per step for the short and long prompts (the paged loop:
+    every layer holds the whole sequence's blocks)."""
     config, params, tok = ours
     prompts = [tok.encode(p) for p in SHORT] + long_prompts(tok, 3)
     assert sum(len(p) > WINDOW for p in prompts) == 3
     max_len = max(map(len, prompts)) + MAX_TOKENS
     runner = paged_loop(config, params, len(prompts), max_len, shuffle_seed=0, backend="cpu")
     gen, step_logits = greedy(runner, prompts, MAX_TOKENS)
+    return prompts, gen, step_logits
+
+
+def test_greedy_matches_transformers(reference, hf_model, ours):
+    tok = ours[2]
+    prompts, gen, step_logits = reference
     mine = np.stack(step_logits, axis=1)  # [S, MAX_TOKENS, V]
     # Teacher-forced: one HF forward per sequence over prompt + our tokens gives the logits
     # HF's own greedy loop would see (same argmax everywhere <=> same generation).
@@ -92,6 +101,24 @@ def test_greedy_matches_transformers(ours, hf_model):
     assert diff.max() < LOGIT_ATOL
     np.testing.assert_array_equal(want.argmax(-1), np.array(gen))
     assert all(tok.decode(g).strip() for g in gen)
+
+
+def test_hybrid_kv_cache_gives_the_same_tokens(reference, ours):
+    """The engine with its sliding-window layers in KV cache groups of their own (6 groups
+    of 3 layers; cache/groups.py), which drop the blocks their 512-token window left, gives
+    the tokens of the paged loop that keeps everything (and so transformers', above)."""
+    from paged_jax.llm import LLM
+    from paged_jax.sampling_params import SamplingParams
+
+    prompts, gen, _ = reference
+    llm = LLM(model_parts=ours, enable_prefix_caching=False, hybrid_kv_cache=True,
+              max_model_len=1024, max_num_batched_tokens=512, kv_cache_memory=256 << 20)
+    groups = llm.engine_config.kv_groups
+    assert groups.num_groups == 6 and groups.windows.count(WINDOW) == 5
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [list(g) for g in gen]
 
 
 def test_tokenizer_matches_transformers(ours):

@@ -27,7 +27,7 @@ def fresh():
 
 
 def rows(table):
-    return np.asarray(table.block_tables).tolist()
+    return np.asarray(table.block_tables[0]).tolist()
 
 
 def test_blocks_allocated_only_at_boundaries():
@@ -100,7 +100,7 @@ def test_cache_positions_and_padding():
     t = add_sequence(t, 1)
     pool, t, _, _ = reserve_tokens(pool, t, jnp.array([0, 6, 0]))
     sm = cache_positions(t, jnp.array([1, 1, -1]), jnp.array([0, 5, 0]))
-    assert np.asarray(sm).tolist() == [4, 9, -1]
+    assert np.asarray(sm).tolist() == [[4, 9, -1]]
 
 
 def test_checker_catches_a_corrupted_refcount():

@@ -85,7 +85,7 @@ class PrefixMachine(RuleBasedStateMachine):
             self.pool, self.table, self.kv, jnp.asarray(num_new), jnp.asarray(vals.reshape(-1)))
         assert bool(ok), "the free-block accounting promised room"
         seq.num_computed = a + n
-        row = np.asarray(self.table.block_tables[seq.slot])
+        row = np.asarray(self.table.block_tables[0, seq.slot])
         new = self.prefix.register(seq, a // K, row[a // K:seq.num_computed // K])
         if new:
             self.pool = _mark(self.pool, _pad(new))
@@ -115,7 +115,7 @@ class PrefixMachine(RuleBasedStateMachine):
             event("full-prompt hit (copy)" if copy else "hit")
             self.pool, self.table = _attach(
                 self.pool, self.table, jnp.asarray(slot),
-                _pad(list(hit.blocks))[: CFG.max_blocks_per_seq], jnp.asarray(hit.num_tokens))
+                _pad(list(hit.blocks))[None, : CFG.max_blocks_per_seq], jnp.asarray(hit.num_tokens))
         else:
             event("miss")
         seq.num_computed = hit.num_tokens
@@ -171,7 +171,7 @@ class PrefixMachine(RuleBasedStateMachine):
     def contents_read_back(self):
         """Every live sequence reads its own prefix fingerprints through its block table."""
         k = np.asarray(self.kv.k[0][0, :, :, 0])
-        tables = np.asarray(self.table.block_tables)
+        tables = np.asarray(self.table.block_tables[0])
         for s, seq in self.seqs.items():
             got = k[tables[s]].reshape(-1)[: seq.num_computed]
             want = [fingerprint(seq.tokens[: p + 1]) for p in range(seq.num_computed)]

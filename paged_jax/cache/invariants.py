@@ -5,13 +5,16 @@
                    no duplicates
     cached-free == cached blocks with refcount 0: off the free list, waiting for a hit or eviction
     free + used + cached-free == num_blocks - 1
-    a live sequence of length n holds exactly ceil(n / K) blocks, in its first columns
+    a live sequence of length n holds, in each full-attention group, exactly ceil(n / K)
+    blocks in its first columns; in a sliding-window group (cache/groups.py) exactly the
+    columns first_kept(n) .. ceil(n / K) - 1 (the rest point at the zero block)
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from paged_jax.cache.groups import first_kept
 from paged_jax.cache.page_table import PageTable
 from paged_jax.cache.pool import BlockPool
 from paged_jax.sizes import cdiv
@@ -44,7 +47,7 @@ def check_invariants(pool: BlockPool, table: PageTable) -> None:
     _check(bool(np.all((free > 0) & (free < n_blocks))), f"bad ids on the free list {free}")
     _check(bool(np.all(ref >= 0)), f"negative refcounts at {np.nonzero(ref < 0)[0]}")
 
-    counts = np.bincount(tables[live].reshape(-1), minlength=n_blocks)
+    counts = np.bincount(tables[:, live].reshape(-1), minlength=n_blocks)
     counts[NULL_BLOCK] = 0
     bad = np.nonzero(counts != ref)[0]
     _check(bad.size == 0, f"refcount != table references for blocks {bad.tolist()}: "
@@ -59,13 +62,23 @@ def check_invariants(pool: BlockPool, table: PageTable) -> None:
            f"free ({num_free}) + used ({used}) + cached-free ({cached_free}) "
            f"!= num_blocks - 1 ({n_blocks - 1})")
 
-    for s in range(tables.shape[0]):
+    for g, window in enumerate(table.windows):
+        _check_rows(tables[g], lens, live, k, window, f"group {g}: " if g else "")
+
+
+def _check_rows(tables: np.ndarray, lens: np.ndarray, live: np.ndarray, k: int,
+                window: int | None, where: str) -> None:
+    """One group's rows hold exactly the columns its window keeps (all of them without)."""
+    for s in range(tables.shape[0]):  # messages built only on failure: this runs per step
         if not live[s]:
-            _check(lens[s] == 0 and not tables[s].any(), f"dead slot {s} holds blocks or length")
+            if lens[s] != 0 or tables[s].any():
+                raise InvariantError(f"{where}dead slot {s} holds blocks or length")
             continue
-        held = cdiv(int(lens[s]), k)
+        lo, held = first_kept(int(lens[s]), window, k), cdiv(int(lens[s]), k)
         row = tables[s]
-        _check(bool(np.all(row[:held] != NULL_BLOCK)),
-               f"seq {s} (len {lens[s]}) misses a block in its first {held} pages: {row}")
-        _check(bool(np.all(row[held:] == NULL_BLOCK)),
-               f"seq {s} (len {lens[s]}) holds blocks past ceil(len/K) = {held}: {row}")
+        if not np.all(row[lo:held] != NULL_BLOCK):
+            raise InvariantError(f"{where}seq {s} (len {lens[s]}) misses a block in pages "
+                                 f"{lo}..{held - 1}: {row}")
+        if row[held:].any() or row[:lo].any():
+            raise InvariantError(f"{where}seq {s} (len {lens[s]}) holds blocks outside pages "
+                                 f"{lo}..{held - 1}: {row}")

@@ -10,6 +10,11 @@ layers unrolled (models/llama.py), and XLA turns a per-layer read or write of a 
 donated buffer into a copy of that layer's whole pool (measured: 4 s per step for a 1 GiB
 pool, against 0.1 s with per-layer buffers). Separate buffers are written in place.
 
+With KV cache groups (cache/groups.py) the arrays are *buffers* rather than layers: a layer
+reads buffer `layer_buffer[i]` through the page tables of group `layer_group[i]`, and one
+block id names a page in every buffer. Without groups the two maps are empty: buffer i is
+layer i.
+
 Quantized caches (kv_cache_dtype int8 / fp8, paged_jax/cache/kv_quant.py) store int8 or fp8 pages
 and float32 scales beside them, one per group of 32 values of a token and KV head (kv_quant.GROUP):
 ``k_scale[l]`` is ``[H, N, K, Z]``, Z = D / 32.
@@ -31,6 +36,7 @@ from jax.typing import DTypeLike
 
 from kernels.pages import Pages
 from paged_jax.cache import kv_quant
+from paged_jax.cache.groups import KVGroups
 from paged_jax.cache.page_table import PageTable
 from paged_jax.types import NULL_BLOCK, Array, Float, Int, Shaped
 
@@ -50,27 +56,38 @@ class KVCache:
     v_scale: tuple[Float[Array, "H N K Z"], ...] = ()
     dtype: jnp.dtype = dataclasses.field(default=jnp.dtype(jnp.float32),
                                          metadata=dict(static=True))
+    layer_group: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    layer_buffer: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
     @property
     def quantized(self) -> bool:
         return bool(self.k_scale)
 
-    def layer(self, i: int) -> tuple[Pages, Pages]:
-        """Layer i's (K, V) pages, as the model and the attention kernels take them."""
-        ks, vs = (self.k_scale[i], self.v_scale[i]) if self.quantized else (None, None)
-        return Pages(self.k[i], ks, self.dtype), Pages(self.v[i], vs, self.dtype)
+    def buffer(self, b: int) -> tuple[Pages, Pages]:
+        """Buffer b's (K, V) pages, as the model and the attention kernels take them."""
+        ks, vs = (self.k_scale[b], self.v_scale[b]) if self.quantized else (None, None)
+        return Pages(self.k[b], ks, self.dtype), Pages(self.v[b], vs, self.dtype)
 
-    @classmethod
-    def of_layers(cls, layers: list[tuple[Pages, Pages]]) -> KVCache:
-        """The inverse of `layer` over all layers."""
-        ks, vs = zip(*layers, strict=True)
+    def layer(self, i: int) -> tuple[Pages, Pages]:
+        """Layer i's (K, V) pages (its buffer's)."""
+        return self.buffer(self.layer_buffer[i] if self.layer_buffer else i)
+
+    def group_of(self, i: int) -> int:
+        """The KV cache group whose page tables layer i reads."""
+        return self.layer_group[i] if self.layer_group else 0
+
+    def with_buffers(self, buffers: list[tuple[Pages, Pages]]) -> KVCache:
+        """This cache with every buffer replaced (the inverse of `buffer`)."""
+        ks, vs = zip(*buffers, strict=True)
         scales = ((tuple(x.scale for x in ks), tuple(x.scale for x in vs))
                   if ks[0].scale is not None else ((), ()))
-        return cls(tuple(x.values for x in ks), tuple(x.values for x in vs), *scales,
-                   dtype=ks[0].dtype)
+        return KVCache(tuple(x.values for x in ks), tuple(x.values for x in vs), *scales,
+                       dtype=ks[0].dtype, layer_group=self.layer_group,
+                       layer_buffer=self.layer_buffer)
 
     @property
     def num_layers(self) -> int:
+        """Buffers (the layers, without groups)."""
         return len(self.k)
 
     @property
@@ -82,19 +99,25 @@ class KVCache:
         return self.k[0].shape[1]
 
     def stacked(self) -> tuple[Float[Array, "L H N K D"], Float[Array, "L H N K D"]]:
-        """(k, v) stacked over layers, float32 (dequantized): a copy, for inspection."""
-        pairs = [self.layer(i) for i in range(self.num_layers)]
+        """(k, v) stacked over buffers, float32 (dequantized): a copy, for inspection."""
+        pairs = [self.buffer(i) for i in range(self.num_layers)]
         every = jnp.arange(self.num_blocks)
         return tuple(jnp.stack([p[j].take(every) for p in pairs]) for j in (0, 1))
 
 
 def init_kv_cache(
     num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int,
-    dtype: DTypeLike = jnp.float32,
+    dtype: DTypeLike = jnp.float32, groups: KVGroups | None = None,
 ) -> KVCache:
-    """An all-zero cache (with all-zero scales when `dtype` is int8 / fp8)."""
-    return _zeros(num_layers, (num_kv_heads, num_blocks, block_size, head_dim),
-                  jnp.dtype(dtype))
+    """An all-zero cache (with all-zero scales when `dtype` is int8 / fp8); with KV cache
+    `groups`, one buffer per layer position in a group instead of one per layer."""
+    if groups is None or not groups.hybrid:
+        return _zeros(num_layers, (num_kv_heads, num_blocks, block_size, head_dim),
+                      jnp.dtype(dtype))
+    cache = _zeros(groups.num_buffers, (num_kv_heads, num_blocks, block_size, head_dim),
+                   jnp.dtype(dtype))
+    return dataclasses.replace(cache, layer_group=groups.layer_group,
+                               layer_buffer=groups.layer_buffer)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -158,9 +181,10 @@ def write(
     v: Float[Array, "T H D"],
 ) -> KVCache:
     """`write_layer` on layer `layer` (a static int) of the cache."""
-    layers = [cache.layer(i) for i in range(cache.num_layers)]
-    layers[layer] = write_layer(*layers[layer], cache_positions, k, v)
-    return KVCache.of_layers(layers)
+    bufs = [cache.buffer(i) for i in range(cache.num_layers)]
+    b = cache.layer_buffer[layer] if cache.layer_buffer else layer
+    bufs[b] = write_layer(*bufs[b], cache_positions, k, v)
+    return cache.with_buffers(bufs)
 
 
 def copy_blocks(cache: KVCache, src: Int[Array, "C"], dst: Int[Array, "C"]) -> KVCache:
@@ -183,7 +207,8 @@ def write_blocks(cache: KVCache, blocks: Int[Array, "M"], *parts: Array) -> KVCa
     put = lambda x, y: x.at[:, dst].set(y.astype(x.dtype), mode="drop")  # noqa: E731
     fields = [tuple(put(x, y) for x, y in zip(field, part, strict=True))
               for field, part in zip(_fields(cache), parts, strict=True)]
-    return KVCache(*fields, dtype=cache.dtype)
+    names = ("k", "v", "k_scale", "v_scale")[:len(fields)]
+    return dataclasses.replace(cache, **dict(zip(names, fields, strict=True)))
 
 
 def _fields(cache: KVCache) -> tuple[tuple[Array, ...], ...]:
@@ -197,7 +222,7 @@ def gather_sequence(
     """K and V of sequence `slot` in logical order, its first seq_len tokens (host-side helper),
     as stored: the model writes int8 K/V rotated (kv_quant.rotation)."""
     n_tok = int(table.seq_lens[slot])
-    blocks = table.block_tables[slot]
+    blocks = table.block_tables[cache.group_of(layer), slot]
 
     def read(pages: Pages) -> Float[Array, "T H D"]:
         x = pages.take(blocks)  # [H, P, K, D]

@@ -7,6 +7,11 @@
 A sequence of length n holds exactly ceil(n / K) blocks; only its last block may be partly
 filled, and only that block is ever written. Forked sequences share blocks (refcount > 1);
 the first write into a shared last block gives the writer a private copy (copy-on-write).
+
+With KV cache groups (cache/groups.py) every sequence has one row per group, all of one
+length: block_tables is [G, S, P]. A sliding-window group's row keeps only the blocks its
+window still reads (`slide`); the columns before them point at the zero block. Every function
+here applies to all groups at once; a model without windows has G = 1.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from paged_jax.cache import groups
 from paged_jax.cache import pool as pool_lib
 from paged_jax.cache.config import CacheConfig
 from paged_jax.cache.pool import BlockPool
@@ -26,39 +32,49 @@ from paged_jax.types import NULL_BLOCK, PAD_POSITION, Array, Bool, Int
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PageTable:
-    """Block tables of `S` sequence slots.
+    """Block tables of `S` sequence slots in `G` KV cache groups.
 
     Attributes:
-      block_tables: [S, P] physical block of each logical block; 0 (zero block) = none.
-      seq_lens: [S] tokens held by each sequence.
+      block_tables: [G, S, P] physical block of each logical block per group; 0 = none.
+      seq_lens: [S] tokens held by each sequence (the same in every group).
       live: [S] whether the slot holds a sequence.
       block_size: K, token positions per block (static).
+      windows: per group, its sliding window or None (static; cache/groups.py).
     """
 
-    block_tables: Int[Array, "S P"]
+    block_tables: Int[Array, "G S P"]
     seq_lens: Int[Array, "S"]
     live: Bool[Array, "S"]
     block_size: int = dataclasses.field(metadata=dict(static=True))
+    windows: tuple = dataclasses.field(default=(None,), metadata=dict(static=True))
 
     @property
     def max_blocks_per_seq(self) -> int:
-        return self.block_tables.shape[1]
+        return self.block_tables.shape[2]
 
+    @property
+    def num_groups(self) -> int:
+        return self.block_tables.shape[0]
+
+    def first_kept(self, lens: Int[Array, "S"]) -> Int[Array, "G S"]:
+        """Per group, the first column each sequence of length `lens` keeps."""
+        return jnp.stack([groups.first_kept(lens, w, self.block_size) for w in self.windows])
 
 
 def init_page_table(cfg: CacheConfig) -> PageTable:
     """An empty page table for `cfg.max_seqs` slots of `cfg.max_blocks_per_seq` pages."""
     s, p = cfg.max_seqs, cfg.max_blocks_per_seq
     return PageTable(
-        block_tables=jnp.zeros((s, p), jnp.int32),
+        block_tables=jnp.zeros((cfg.num_groups, s, p), jnp.int32),
         seq_lens=jnp.zeros((s,), jnp.int32),
         live=jnp.zeros((s,), bool),
         block_size=cfg.block_size,
+        windows=cfg.windows,
     )
 
 
 def num_blocks_held(table: PageTable) -> Int[Array, "S"]:
-    """ceil(seq_len / K) per slot."""
+    """ceil(seq_len / K) per slot: the columns a full-attention group holds."""
     return cdiv(table.seq_lens, table.block_size)
 
 
@@ -66,7 +82,7 @@ def add_sequence(table: PageTable, slot: Int[Array, ""] | int) -> PageTable:
     """Marks `slot` live with length 0 (the caller picks a slot that is not live)."""
     return dataclasses.replace(
         table,
-        block_tables=table.block_tables.at[slot].set(NULL_BLOCK),
+        block_tables=table.block_tables.at[:, slot].set(NULL_BLOCK),
         seq_lens=table.seq_lens.at[slot].set(0),
         live=table.live.at[slot].set(True),
     )
@@ -77,7 +93,7 @@ def add_sequences(table: PageTable, slots: Int[Array, "A"]) -> PageTable:
     dest = jnp.where(slots >= 0, slots, table.live.shape[0])  # index S is dropped
     return dataclasses.replace(
         table,
-        block_tables=table.block_tables.at[dest].set(NULL_BLOCK, mode="drop"),
+        block_tables=table.block_tables.at[:, dest].set(NULL_BLOCK, mode="drop"),
         seq_lens=table.seq_lens.at[dest].set(0, mode="drop"),
         live=table.live.at[dest].set(True, mode="drop"),
     )
@@ -87,11 +103,11 @@ def release(
     pool: BlockPool, table: PageTable, slots: Bool[Array, "S"]
 ) -> tuple[BlockPool, PageTable]:
     """Frees the sequences in `slots`: one reference dropped from each of their blocks."""
-    rows = jnp.where(slots[:, None], table.block_tables, NULL_BLOCK)
+    rows = jnp.where(slots[None, :, None], table.block_tables, NULL_BLOCK)
     pool = pool_lib.decref(pool, rows)
     table = dataclasses.replace(
         table,
-        block_tables=jnp.where(slots[:, None], NULL_BLOCK, table.block_tables),
+        block_tables=jnp.where(slots[None, :, None], NULL_BLOCK, table.block_tables),
         seq_lens=jnp.where(slots, 0, table.seq_lens),
         live=table.live & ~slots,
     )
@@ -103,9 +119,9 @@ def truncate(
 ) -> tuple[BlockPool, PageTable]:
     """Shortens every slot to `new_lens` (at most its length): blocks wholly past the new end
     lose the slot's reference (speculative decoding's rollback of rejected tokens)."""
-    col = jnp.arange(table.max_blocks_per_seq)[None, :]
-    keep = cdiv(new_lens, table.block_size)[:, None]
-    drop = (col >= keep) & (col < num_blocks_held(table)[:, None])
+    col = jnp.arange(table.max_blocks_per_seq)[None, None, :]
+    keep = cdiv(new_lens, table.block_size)[None, :, None]
+    drop = (col >= keep) & (col < num_blocks_held(table)[None, :, None])
     pool = pool_lib.decref(pool, jnp.where(drop, table.block_tables, NULL_BLOCK))
     table = dataclasses.replace(
         table, block_tables=jnp.where(drop, NULL_BLOCK, table.block_tables), seq_lens=new_lens)
@@ -123,11 +139,11 @@ def fork(
     s = table.live.shape[0]
     dst_idx = jnp.where(valid, dst, s)  # index S is dropped
     src_idx = jnp.clip(src, 0)
-    rows = table.block_tables[src_idx]
-    pool = pool_lib.incref(pool, jnp.where(valid[:, None], rows, NULL_BLOCK))
+    rows = table.block_tables[:, src_idx]
+    pool = pool_lib.incref(pool, jnp.where(valid[None, :, None], rows, NULL_BLOCK))
     table = dataclasses.replace(
         table,
-        block_tables=table.block_tables.at[dst_idx].set(rows, mode="drop"),
+        block_tables=table.block_tables.at[:, dst_idx].set(rows, mode="drop"),
         seq_lens=table.seq_lens.at[dst_idx].set(table.seq_lens[src_idx], mode="drop"),
         live=table.live.at[dst_idx].set(True, mode="drop"),
     )
@@ -135,49 +151,78 @@ def fork(
 
 
 def reserve_tokens(
-    pool: BlockPool, table: PageTable, num_new: Int[Array, "S"], max_new_blocks: int | None = None
-) -> tuple[BlockPool, PageTable, tuple[Int[Array, "S"], Int[Array, "S"]], Bool[Array, ""]]:
-    """Grows every sequence s by `num_new[s]` tokens, allocating blocks only at boundaries.
+    pool: BlockPool, table: PageTable, num_new: Int[Array, "S"], max_new_blocks: int | None = None,
+    skip_slid: bool = False,
+) -> tuple[BlockPool, PageTable, tuple[Int[Array, "GS"], Int[Array, "GS"]], Bool[Array, ""]]:
+    """Grows every sequence s by `num_new[s]` tokens, allocating blocks only at boundaries, in
+    every group.
 
     A sequence whose partly filled last block is shared (refcount > 1) gets a private copy of
     it first: the returned (src, dst) pairs must be copied in the KV cache (`copy_blocks`)
     before the new tokens are written. dst == 0 marks "no copy".
 
     Args:
-      max_new_blocks: static bound on blocks any one sequence gains in this call, copies
-        included (e.g. 2 for decode); the work is O(S * max_new_blocks). Default P.
+      max_new_blocks: static bound on blocks any one sequence gains in one group in this
+        call, copies included (e.g. 2 for decode); the work is O(G * S * max_new_blocks).
+        Default P.
+      skip_slid: sliding-window groups allocate only the columns their window keeps at the
+        new length (a swap-in, which computes nothing; a step's queries read the whole
+        chunk's columns, which `slide` drops afterwards).
 
     Returns:
-      (pool', table', (cow_src, cow_dst), ok). If the pool cannot cover every sequence, or a
-      sequence would exceed P pages, ok is False and pool', table' equal pool, table.
+      (pool', table', (cow_src, cow_dst) over G * S rows, ok). If the pool cannot cover every
+      sequence, or a sequence would exceed P pages, ok is False and pool', table' equal pool,
+      table.
     """
-    k, p = table.block_size, table.max_blocks_per_seq
+    k, p, g = table.block_size, table.max_blocks_per_seq, table.num_groups
     m = p if max_new_blocks is None else min(max_new_blocks, p)
     n = jnp.where(table.live, num_new.astype(jnp.int32), 0)
     old_len, new_len = table.seq_lens, table.seq_lens + n
     old_blocks, new_blocks = cdiv(old_len, k), cdiv(new_len, k)
-    rows = jnp.arange(table.live.shape[0])
-    last = table.block_tables[rows, jnp.clip(old_blocks - 1, 0)]
-    cow = _needs_copy(pool, last, (n > 0) & (old_len % k != 0))
-    want = new_blocks - old_blocks + cow
+    s = table.live.shape[0]
+    rows, grp = jnp.arange(s), jnp.arange(g)
+    last = table.block_tables[:, rows, jnp.clip(old_blocks - 1, 0)]  # [G, S]
+    writes = jnp.tile((n > 0) & (old_len % k != 0), g)
+    cow = _needs_copy(pool, last.reshape(-1), writes).reshape(g, s)
+    start = old_blocks[None, :] - cow  # first column allocated: a copy replaces the last
+    if skip_slid:
+        start = jnp.maximum(start, table.first_kept(new_len))
+    want = new_blocks[None, :] - start
     fits = jnp.all(new_blocks <= p) & jnp.all(want <= m)
     want = jnp.where(fits, want, 0)
-    pool2, ids, got = pool_lib.allocate(pool, want, max_per_seq=m)
+    pool2, ids, got = pool_lib.allocate(pool, want.reshape(-1), max_per_seq=m)
+    ids = ids.reshape(g, s, m)
     ok = fits & got
 
-    # Column of each allocated id: the cow copy replaces the last block, the rest append.
-    j = jnp.arange(m)[None, :]
-    col = old_blocks[:, None] + j - cow[:, None]
-    col = jnp.where(j < want[:, None], col, p)  # p is out of bounds: dropped
-    tables = table.block_tables.at[rows[:, None], col].set(ids, mode="drop")
-    cow_dst = jnp.where(cow & ok, ids[:, 0], NULL_BLOCK)
-    cow_src = jnp.where(cow & ok, last, NULL_BLOCK)
+    j = jnp.arange(m)[None, None, :]
+    col = jnp.where(j < want[..., None], start[..., None] + j, p)  # p is out of bounds: dropped
+    tables = table.block_tables.at[grp[:, None, None], rows[None, :, None], col].set(
+        ids, mode="drop")
+    cow_dst = jnp.where(cow & ok, ids[..., 0], NULL_BLOCK).reshape(-1)
+    cow_src = jnp.where(cow & ok, last, NULL_BLOCK).reshape(-1)
     pool2 = pool_lib.decref(pool2, cow_src)  # the writer no longer references the shared block
 
     new_table = dataclasses.replace(table, block_tables=tables, seq_lens=new_len)
     pool_out = jax.tree.map(lambda a, b: jnp.where(ok, a, b), pool2, pool)
     table_out = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_table, table)
     return pool_out, table_out, (cow_src, cow_dst), ok
+
+
+def slide(pool: BlockPool, table: PageTable) -> tuple[BlockPool, PageTable]:
+    """Drops each sliding-window group's references to blocks its window no longer reads (at
+    the sequences' current lengths): their columns point at the zero block, and a block no
+    one else holds goes back to the pool. A no-op without windows. Run once a step's lengths
+    are final (after a verify step's rollback), so a later query never needs a dropped key."""
+    local = [i for i, w in enumerate(table.windows) if w is not None]
+    if not local:
+        return pool, table
+    col = jnp.arange(table.max_blocks_per_seq)[None, None, :]
+    first = table.first_kept(table.seq_lens)[jnp.asarray(local)][..., None]
+    rows = table.block_tables[jnp.asarray(local)]
+    drop = (col < first) & (rows != NULL_BLOCK)
+    pool = pool_lib.decref(pool, jnp.where(drop, rows, NULL_BLOCK))
+    tables = table.block_tables.at[jnp.asarray(local)].set(jnp.where(drop, NULL_BLOCK, rows))
+    return pool, dataclasses.replace(table, block_tables=tables)
 
 
 def _needs_copy(
@@ -203,27 +248,28 @@ def _needs_copy(
 
 
 def attach_prefix(
-    pool: BlockPool, table: PageTable, slot: Int[Array, ""], blocks: Int[Array, "P"],
+    pool: BlockPool, table: PageTable, slot: Int[Array, ""], blocks: Int[Array, "G P"],
     num_tokens: Int[Array, ""],
 ) -> tuple[BlockPool, PageTable]:
-    """Gives live, empty `slot` the cached blocks of a prefix hit: row, length, refcount + 1.
+    """Gives live, empty `slot` the cached blocks of a prefix hit: rows, length, refcount + 1.
 
     Args:
-      blocks: [P] the hit's blocks in logical order, 0-padded.
+      blocks: [G, P] the hit's blocks per group in logical order, 0-padded (a sliding
+        group's columns before its window too).
       num_tokens: tokens the slot now holds (<= K * number of blocks; the last block may be
         only partly counted when the last prompt token is recomputed).
     """
     pool = pool_lib.incref(pool, blocks)
     table = dataclasses.replace(
         table,
-        block_tables=table.block_tables.at[slot].set(blocks),
+        block_tables=table.block_tables.at[:, slot].set(blocks),
         seq_lens=table.seq_lens.at[slot].set(num_tokens),
     )
     return pool, table
 
 
 def attach_prefixes(
-    pool: BlockPool, table: PageTable, slots: Int[Array, "A"], blocks: Int[Array, "A P"],
+    pool: BlockPool, table: PageTable, slots: Int[Array, "A"], blocks: Int[Array, "A G P"],
     num_tokens: Int[Array, "A"],
 ) -> tuple[BlockPool, PageTable]:
     """`attach_prefix` for several live, empty slots at once; slots < 0 are padding.
@@ -232,10 +278,10 @@ def attach_prefixes(
     """
     valid = slots >= 0
     dest = jnp.where(valid, slots, table.live.shape[0])
-    pool = pool_lib.incref(pool, jnp.where(valid[:, None], blocks, NULL_BLOCK))
+    pool = pool_lib.incref(pool, jnp.where(valid[:, None, None], blocks, NULL_BLOCK))
     table = dataclasses.replace(
         table,
-        block_tables=table.block_tables.at[dest].set(blocks, mode="drop"),
+        block_tables=table.block_tables.at[:, dest].set(jnp.swapaxes(blocks, 0, 1), mode="drop"),
         seq_lens=table.seq_lens.at[dest].set(num_tokens, mode="drop"),
     )
     return pool, table
@@ -243,23 +289,25 @@ def attach_prefixes(
 
 def cache_positions(
     table: PageTable, seq_ids: Int[Array, "T"], positions: Int[Array, "T"]
-) -> Int[Array, "T"]:
-    """Flat cache position (block * K + offset) of each token; PAD_POSITION where seq_ids < 0."""
+) -> Int[Array, "G T"]:
+    """Flat cache position (block * K + offset) of each token in each group; PAD_POSITION where
+    seq_ids < 0."""
     k = table.block_size
     seq = jnp.clip(seq_ids, 0)
     page = jnp.clip(positions // k, 0, table.max_blocks_per_seq - 1)
-    block = table.block_tables[seq, page]
+    block = table.block_tables[:, seq, page]
     return jnp.where(seq_ids >= 0, block * k + positions % k, PAD_POSITION)
 
 
 def row_paging(
     table: PageTable, row_slots: Int[Array, "R"], token_rows: Int[Array, "T"],
     positions: Int[Array, "T"], max_pages: int | None = None,
-) -> tuple[Int[Array, "T"], Int[Array, "R P2"], Int[Array, "R"]]:
-    """What a ragged forward over rows reads of the page tables: each token's cache position
-    (padding tokens' and padding rows' PAD_POSITION), each row's first `max_pages` pages and
-    its length (0 for a padding row, slot -1)."""
+) -> tuple[Int[Array, "G T"], Int[Array, "G R P2"], Int[Array, "R"]]:
+    """What a ragged forward over rows reads of the page tables, per group: each token's cache
+    position (padding tokens' and padding rows' PAD_POSITION), each row's first `max_pages`
+    pages; and each row's length (0 for a padding row, slot -1)."""
     slots = jnp.clip(row_slots, 0)
     seq_ids = jnp.where(token_rows >= 0, row_slots[jnp.clip(token_rows, 0)], -1)
-    return (cache_positions(table, seq_ids, positions), table.block_tables[slots][:, :max_pages],
+    return (cache_positions(table, seq_ids, positions),
+            table.block_tables[:, slots][:, :, :max_pages],
             jnp.where(row_slots >= 0, table.seq_lens[slots], 0))

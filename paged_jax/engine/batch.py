@@ -27,7 +27,8 @@ its work costs while the number of compiled programs stays small:
                       decode_pages = next power of two of the single-token rows' pages
                       together (a window counts them at its end). The CPU kernel walks each
                       row's own pages and needs neither.
-      max_copies      0, or R when any row's last block may be shared (forks, prefix hits)
+      max_copies      0, or R * G (G KV cache groups) when any row's last block may be shared
+                      (forks, prefix hits)
       flags           the sampler features the rows' requests asked for (SampleFlags.of)
       full_width      with prefix caching, the most blocks a row can fill: cdiv(max_q, K)
                       for a step, cdiv(W, K) for a window (0 without: nothing reported)
@@ -164,7 +165,7 @@ def _copies(chunks: list[tuple[Sequence, int]], ec, rows: int) -> int:
     """Copy-on-write bound: all rows when any writes into a last block that may be shared
     (as the KV manager counts them), else none."""
     shared = any(copies_on_write(seq, c, ec.block_size) for seq, c in chunks)
-    return rows if shared or ec.static_shapes else 0
+    return rows * ec.num_groups if shared or ec.static_shapes else 0
 
 
 def build_admissions(
@@ -174,7 +175,7 @@ def build_admissions(
     a, p = ec.max_num_seqs, cdiv(ec.max_model_len, ec.block_size)
     slot = np.full(a, -1, np.int32)
     new = np.zeros(a, bool)
-    hit_blocks, hit_tokens = np.zeros((a, p), np.int32), np.zeros(a, np.int32)
+    hit_blocks, hit_tokens = np.zeros((a, ec.num_groups, p), np.int32), np.zeros(a, np.int32)
     mask = np.zeros((a, vocab_size), bool) if flags.penalties else None
     bias = np.zeros((a, vocab_size), np.float32) if flags.bias else None
     items = []
@@ -183,7 +184,7 @@ def build_admissions(
         req = adm.seq.owner
         items.append((req.params, eos_ids, adm.seed))
         if adm.hit is not None:
-            hit_blocks[i, :len(adm.hit.blocks)] = adm.hit.blocks
+            hit_blocks[i, 0, :len(adm.hit.blocks)] = adm.hit.blocks  # one group: see kv_groups
             hit_tokens[i] = adm.hit.num_tokens
         if mask is not None:
             mask[i, req.prompt_token_ids] = True

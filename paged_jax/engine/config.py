@@ -6,6 +6,7 @@ import dataclasses
 
 from paged_jax.cache import kv_quant
 from paged_jax.cache.config import CacheConfig
+from paged_jax.cache.groups import KVGroups
 from paged_jax.engine.speculative import SpeculativeConfig
 from paged_jax.sizes import cdiv
 
@@ -59,6 +60,9 @@ class EngineConfig:
         on small steps; the same tokens (engine/batch.py).
       speculative: speculative decoding (engine/speculative.py; vLLM's speculative_config),
         None: off. Needs async_scheduling False (a draft needs the tokens of the step before).
+      kv_groups: KV cache groups (cache/groups.py): sliding-window layers keep only their
+        window's blocks. None: one group of every layer (models without windows, or the
+        hybrid layout turned off). Not yet with prefix caching or a draft model.
     """
 
     block_size: int = 16
@@ -84,6 +88,7 @@ class EngineConfig:
     async_scheduling: bool = False
     long_prefill_token_threshold: int = 0
     speculative: SpeculativeConfig | None = None
+    kv_groups: KVGroups | None = None
 
     def __post_init__(self) -> None:
         kv_quant.storage_dtype(self.kv_cache_dtype, "float32")  # a clear error if unknown
@@ -110,6 +115,14 @@ class EngineConfig:
         if self.speculative is not None and self.async_scheduling:
             raise ValueError("speculative decoding needs async_scheduling=False: its drafts "
                              "continue the tokens of the step before")
+        if self.kv_groups is not None and self.kv_groups.hybrid:
+            if self.enable_prefix_caching:
+                raise ValueError("the hybrid KV cache (sliding-window groups) does not support "
+                                 "prefix caching yet: pass enable_prefix_caching=False, or "
+                                 "hybrid_kv_cache=False for one group of every layer")
+            if self.speculative is not None and self.speculative.model is not None:
+                raise ValueError("the hybrid KV cache (sliding-window groups) does not support "
+                                 "a draft model yet: pass hybrid_kv_cache=False")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0 = no cap), "
                              f"got {self.long_prefill_token_threshold}")
@@ -118,4 +131,9 @@ class EngineConfig:
     def cache(self) -> CacheConfig:
         return CacheConfig(num_blocks=self.num_kv_blocks, block_size=self.block_size,
                            max_seqs=self.max_num_seqs,
-                           max_blocks_per_seq=cdiv(self.max_model_len, self.block_size))
+                           max_blocks_per_seq=cdiv(self.max_model_len, self.block_size),
+                           windows=self.kv_groups.windows if self.kv_groups else (None,))
+
+    @property
+    def num_groups(self) -> int:
+        return self.kv_groups.num_groups if self.kv_groups else 1

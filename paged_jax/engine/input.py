@@ -13,7 +13,6 @@ from paged_jax.engine.sequence import Request, Sequence
 from paged_jax.models import ModelConfig
 from paged_jax.sample.state import MAX_STOP_IDS
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.sizes import cdiv
 
 if TYPE_CHECKING:
     from paged_jax.models.tokenizer import Tokenizer
@@ -92,7 +91,8 @@ def check_fits(params: SamplingParams, ids: list[int], ec, mc: ModelConfig) -> S
     if params.n > ec.max_num_seqs:
         raise ValueError(f"n={params.n} exceeds max_num_seqs={ec.max_num_seqs}")
     # n sequences may each have to be recomputed privately after a preemption.
-    blocks = params.n * cdiv(prompt_len + params.max_tokens, ec.block_size)
+    blocks = params.n * ec.cache.peak_blocks(prompt_len + params.max_tokens,
+                                             ec.max_num_batched_tokens)
     if blocks > ec.num_kv_blocks - 1:
         raise ValueError(f"request needs up to {blocks} KV blocks (n={params.n} x "
                          f"{prompt_len + params.max_tokens} tokens) but the cache holds "

@@ -55,7 +55,7 @@ def copies_on_write(seq: Sequence, n: int, block_size: int) -> bool:
 class Device(Protocol):
     """What the KV manager reads of the device outside calls (swap-outs, checks)."""
 
-    def read_blocks(self, slot: int, num_blocks: int) -> tuple[np.ndarray, ...]: ...
+    def read_blocks(self, slot: int) -> tuple[np.ndarray, ...]: ...
     def snapshot(self) -> dict[str, np.ndarray]: ...
 
 
@@ -74,9 +74,8 @@ class KVManager:
 
     def __init__(self, cc: CacheConfig, block_bytes: int, device: Device | None = None, *,
                  prefix_caching: bool = True, swap: bool = False, swap_space: int = 4 << 30):
-        self.config, self.device, self.block_bytes = cc, device, block_bytes
-        self.swap, self.swap_space, self.swapped_bytes = swap, swap_space, 0
-        self.num_free = cc.usable_blocks
+        self.config, self.device, self.block_bytes, self.swap = cc, device, block_bytes, swap
+        self.swap_space, self.swapped_bytes, self.num_free = swap_space, 0, cc.usable_blocks
         self.free_slots: list[int] = list(range(cc.max_seqs - 1, -1, -1))
         self.owners: dict[int, Sequence] = {}
         self.slot_live = np.zeros(cc.max_seqs, bool)
@@ -122,11 +121,11 @@ class KVManager:
 
     def blocks_needed(self, seq: Sequence, n: int) -> int:
         """Upper bound on the blocks `seq` gains by computing `n` more tokens (copy included)."""
-        k = self.config.block_size
-        have = cdiv(seq.num_computed, k)
-        restore = have if seq.swapped is not None else 0  # swapped blocks come back first
-        grow = cdiv(seq.num_computed + n, k) - have
-        return restore + grow + int(copies_on_write(seq, n, k))
+        cc, k = self.config, self.config.block_size
+        restore = cc.blocks_for(seq.num_computed) if seq.swapped is not None else 0
+        # Every group takes the new columns; sliding ones drop old ones after the step (slide).
+        grow = cdiv(seq.num_computed + n, k) - cdiv(seq.num_computed, k)
+        return restore + cc.num_groups * (grow + int(copies_on_write(seq, n, k)))
 
     def has_ops(self) -> bool:
         return bool(self._release or self._evict or self._unmark or self._forks)
@@ -198,8 +197,8 @@ class KVManager:
     def room_for(self, chunks: list[tuple[Sequence, int]], decode_only: bool) -> None:
         """make_room for a plan. A decode window may grow every sequence once more inside
         the loop, so it gets one block of headroom per sequence."""
-        need = sum(self.blocks_needed(s, n) for s, n in chunks)
-        self._need = max(need, len(chunks)) if decode_only else need
+        need, g = sum(self.blocks_needed(s, n) for s, n in chunks), self.config.num_groups
+        self._need = max(need, len(chunks) * g) if decode_only else need
         self.make_room(self._need)
 
     def settled(self, req: Request) -> bool:
@@ -217,7 +216,7 @@ class KVManager:
             seq.draft_computed = 0 if seq.swapped is not None else seq.num_computed  # draft.py
             if seq.swapped is not None:
                 restores.append((seq.slot, seq.num_computed, seq.swapped))
-                self.swapped_bytes -= sum(x.nbytes for x in seq.swapped)
+                self.swapped_bytes -= len(seq.swapped[0]) * self.block_bytes
                 seq.swapped = None
                 continue
             hit, seq.prefix_hit = seq.prefix_hit, None
@@ -350,7 +349,7 @@ class KVManager:
         self._release_blocks(seqs)
         for s in seqs:
             if s.swapped is not None:
-                self.swapped_bytes -= sum(x.nbytes for x in s.swapped)
+                self.swapped_bytes -= len(s.swapped[0]) * self.block_bytes
                 s.swapped = None
             if s.slot >= 0:
                 self.owners.pop(s.slot, None)
@@ -363,7 +362,7 @@ class KVManager:
         (and so their sampling state). Returns what this may give back (see pending_free)."""
         hi = self._release_hi
         for s in seqs:
-            size = cdiv(s.num_computed, self.config.block_size) * self.block_bytes
+            size = self.config.blocks_for(s.num_computed) * self.block_bytes
             if self.swap and self.swapped_bytes + size <= self.swap_space:
                 s.swapped = self._swap_out(s)
                 self.swapped_bytes += size
@@ -379,7 +378,7 @@ class KVManager:
             if s.slot >= 0 and self.slot_live[s.slot]:
                 self.slot_live[s.slot] = False
                 self._release[s.slot] = (s, s.num_computed)
-                self._release_hi += cdiv(s.num_computed, self.config.block_size)
+                self._release_hi += self.config.blocks_for(s.num_computed)
 
     def _cached_blocks(self, released: list[tuple[Sequence, int]]) -> list[int]:
         """Cached blocks the released sequences held, tail (leaf) first: the LRU order."""
@@ -391,8 +390,9 @@ class KVManager:
 
     # ---- swap space and checks -------------------------------------------------------------
     def _swap_out(self, seq: Sequence) -> tuple[np.ndarray, ...]:
-        """Host copies of the sequence's blocks: K, V (and their scales when quantized)."""
-        return self.device.read_blocks(seq.slot, cdiv(seq.num_computed, self.config.block_size))
+        """Host copies of the sequence's blocks in every group: where they sat, K, V (and
+        their scales when quantized); runner.read_blocks."""
+        return self.device.read_blocks(seq.slot)
 
     def check(self) -> None:  # this host mirror equals the device (engine/mirror.py)
         check_manager(Mirror(self.num_free, self.slot_live, self.owners, self.prefix,

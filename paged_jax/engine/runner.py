@@ -49,6 +49,7 @@ from paged_jax.models import ModelConfig, Params, parallel
 from paged_jax.models.attention import default_backend
 from paged_jax.models.llama import pack_params, prepare_params, quantize_params
 from paged_jax.sample import sampler as smp
+from paged_jax.sizes import next_pow2
 from paged_jax.types import Array, Bool, Int
 
 
@@ -117,14 +118,17 @@ class Pending:
 @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
 def _restore(
     pool: pool_lib.BlockPool, table: pt.PageTable, cache: KVCache,
-    slot: Int[Array, ""], n_tokens: Int[Array, ""], *parts: Array,
+    slot: Int[Array, ""], n_tokens: Int[Array, ""], where: Int[Array, "M"], *parts: Array,
 ) -> tuple[pool_lib.BlockPool, pt.PageTable, KVCache, Bool[Array, ""]]:
-    """Swap-in on the device: the slot gets fresh blocks for its tokens, and `parts` (K, V
-    [L, H, P, K, D], and scales [L, H, P, K, Z] for a quantized cache) are written back."""
+    """Swap-in on the device: the slot gets fresh blocks for its tokens (in each group, those
+    its window keeps), and `parts` (K, V [B, H, M, K, D], and scales [B, H, M, K, Z] for a
+    quantized cache) are written back; part m is the block at flat (group, column) index
+    where[m] of the slot's rows (out of range: padding)."""
     num_new = jnp.zeros_like(table.seq_lens).at[slot].set(n_tokens)
     table = pt.add_sequence(table, slot)
-    pool, table, _, ok = pt.reserve_tokens(pool, table, num_new)
-    return pool, table, kv_lib.write_blocks(cache, table.block_tables[slot], *parts), ok
+    pool, table, _, ok = pt.reserve_tokens(pool, table, num_new, skip_slid=True)
+    blocks = table.block_tables[:, slot].reshape(-1).at[where].get(mode="fill", fill_value=0)
+    return pool, table, kv_lib.write_blocks(cache, blocks, *parts), ok
 
 
 def matmul_backend(requested: str | None, dtype) -> str:
@@ -212,8 +216,10 @@ class Runner:
             books = pages = parallel.devices(1, ec.first_device)[0]
             params = self._lay_out(params, books)
         self.params, cc = params, ec.cache
-        self.block_bytes = kv_lib.kv_cache_bytes(model.num_layers, kv_heads, cc.block_size,
-                                                 model.head_dim, kv_dtype)
+        groups = ec.kv_groups  # sliding-window layers' own page tables (cache/groups.py)
+        self.block_bytes = kv_lib.kv_cache_bytes(groups.num_buffers if groups else model.num_layers,
+                                                 kv_heads, cc.block_size, model.head_dim,
+                                                 kv_dtype)
         # Committed to their devices now: jit keys on placement, so uncommitted initial
         # arrays would make the second call compile everything again.
         pool, table, sampling = jax.device_put((
@@ -221,7 +227,7 @@ class Runner:
             smp.init_sampling_state(cc.max_seqs, model.vocab_size)), books)
         cache = jax.device_put(kv_lib.init_kv_cache(
             model.num_layers, kv_heads, cc.num_blocks, cc.block_size, model.head_dim,
-            kv_dtype), pages)
+            kv_dtype, groups), pages)
         self.draft_params, draft_cache = None, None
         if draft is not None:  # speculative decoding's draft model (engine/draft.py)
             dm, dparams = draft
@@ -322,13 +328,17 @@ class Runner:
         """Applies the call's ops first (its releases may free the blocks a swap-in takes),
         then restores each swapped-out sequence; the call itself then carries no ops."""
         self._ops(call)
-        for slot, n_tokens, parts in restores:
-            grow = self.state.table.max_blocks_per_seq - parts[0].shape[2]
+        for slot, n_tokens, (where, *parts) in restores:
+            # Padded to a power of two (one program per size), padding written nowhere.
+            m = next_pow2(parts[0].shape[2])
+            grow = m - parts[0].shape[2]
             padded = [jnp.asarray(np.pad(x, [(0, 0), (0, 0), (0, grow)]
                                          + [(0, 0)] * (x.ndim - 3))) for x in parts]
+            where = np.pad(where, (0, grow), constant_values=self.state.table.block_tables.size)
             st = self.state
             pool, table, cache, ok = _restore(st.pool, st.table, st.cache, jnp.asarray(slot),
-                                              jnp.asarray(n_tokens), *padded)
+                                              jnp.asarray(n_tokens), jnp.asarray(where),
+                                              *padded)
             self.state = dataclasses.replace(st, pool=pool, table=table, cache=cache)
             if not ok:  # the scheduler counted the restore (blocks_needed): a planning bug
                 raise RuntimeError(f"swap-in of slot {slot} found too few free blocks")
@@ -338,11 +348,14 @@ class Runner:
             call.batch = dataclasses.replace(call.batch, ops=no_ops)
 
     # ---- outside steps ---------------------------------------------------------------------
-    def read_blocks(self, slot: int, num_blocks: int) -> tuple[np.ndarray, ...]:
-        """Host copies of a slot's first blocks: K, V (and scales when quantized)."""
-        blocks = np.asarray(self.state.table.block_tables[slot])[:num_blocks]
-        return tuple(np.asarray(x)
-                     for x in kv_lib.read_blocks(self.state.cache, jnp.asarray(blocks)))
+    def read_blocks(self, slot: int) -> tuple[np.ndarray, ...]:
+        """Host copies of the blocks a slot holds, in every group: (where, K, V (and scales
+        when quantized)); `where` is each block's flat (group, column) index in the slot's
+        rows, which a swap-in (`_restore`) gives the restored blocks back."""
+        rows = np.asarray(self.state.table.block_tables[:, slot]).reshape(-1)
+        (where,) = np.nonzero(rows)
+        return (where.astype(np.int32), *(np.asarray(x) for x in kv_lib.read_blocks(
+            self.state.cache, jnp.asarray(rows[where]))))
 
     def snapshot(self) -> tuple[pool_lib.BlockPool, pt.PageTable]:
         """The pool and the page tables as they are now (for checks, which read them)."""

@@ -46,7 +46,8 @@ def full_blocks(
     k, s = table.block_size, jnp.clip(slots, 0)
     lo, hi = old_lens[s] // k, table.seq_lens[s] // k
     col = lo[:, None] + jnp.arange(width)[None, :]
-    ids = table.block_tables[s[:, None], jnp.clip(col, 0, table.max_blocks_per_seq - 1)]
+    # Group 0: prefix caching runs with one KV cache group (EngineConfig.kv_groups).
+    ids = table.block_tables[0, s[:, None], jnp.clip(col, 0, table.max_blocks_per_seq - 1)]
     return jnp.where((col < hi[:, None]) & (slots >= 0)[:, None], ids, 0)
 
 

@@ -28,7 +28,8 @@ class Admissions:
       prompt_mask: [A, V] prompt tokens (repetition penalty), only in steps whose flags have
         penalties; None otherwise.
       logit_bias: [A, V] the requests' bias rows, only in steps whose flags have bias.
-      hit_blocks: [A, P] cached blocks of a prefix-cache hit, in logical order, 0-padded.
+      hit_blocks: [A, G, P] cached blocks of a prefix-cache hit per KV cache group, in
+        logical order, 0-padded.
       hit_tokens: [A] tokens the hit covers (the slot starts with this length).
     """
 
@@ -37,7 +38,7 @@ class Admissions:
     sampling: smp.SamplingRows
     prompt_mask: Bool[HostArray, "A V"] | None
     logit_bias: Float[HostArray, "A V"] | None
-    hit_blocks: Int[HostArray, "A P"]
+    hit_blocks: Int[HostArray, "A G P"]
     hit_tokens: Int[HostArray, "A"]
 
 

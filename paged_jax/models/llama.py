@@ -273,8 +273,8 @@ def forward(
     cache: KVCache,
     token_ids: Int[Array, "T"],
     positions: Int[Array, "T"],
-    cache_positions: Int[Array, "T"],
-    block_tables: Int[Array, "S P"],
+    cache_positions: Int[Array, "T"] | Int[Array, "G T"],
+    block_tables: Int[Array, "S P"] | Int[Array, "G S P"],
     seq_lens: Int[Array, "S"],
     query_start: Int[Array, "S+1"],
     *,
@@ -296,6 +296,8 @@ def forward(
         `cache_positions`.
       token_ids, positions, cache_positions: [T] per token; padding tokens have cache position < 0.
       block_tables, seq_lens, query_start: the paging of the S sequences (attention.py).
+        With KV cache groups (cache/groups.py), cache_positions [G, T] and block_tables
+        [G, S, P]: layer i reads group `cache.group_of(i)`'s.
       config: static model config.
       max_q: static bound on queries per sequence (1 for decode).
       backend: paged-attention backend, "reference" or "pallas".
@@ -325,21 +327,27 @@ def forward(
     out = _outputs(params, x, query_start, config, tp, all_logits, with_hidden)
     if router_load:
         out = (out, jnp.stack(loads))
-    return out, KVCache.of_layers(layers)
+    return out, cache.with_buffers(layers)
 
 
 def _layers(params: Params, x: Float[Array, "T E"], cache: KVCache, batch: tuple,
             rots: tuple, config: ModelConfig, attn: tuple):
-    """Every decoder layer in turn: (x, each layer's (K, V) pages, each one's expert load).
-    `rots`: the (cos, sin) of full and of sliding-window layers."""
-    layers, loads = [], []
+    """Every decoder layer in turn: (x, each buffer's (K, V) pages, each layer's expert load).
+    `rots`: the (cos, sin) of full and of sliding-window layers. `batch` holds every KV
+    cache group's cache positions and block tables; a layer gets its group's."""
+    positions, cache_pos, tables, seq_lens, query_start = batch
+    if tables.ndim == 2:  # one group
+        tables, cache_pos = tables[None], cache_pos[None]
+    bufs = [cache.buffer(b) for b in range(cache.num_layers)]
+    loads = []
     for i, p in enumerate(runtime_layers(params)):
-        window = config.window(i)
-        x, kv, load = decoder_layer(p, x, cache.layer(i), batch, rots[window is not None],
-                                    config=config, attn=(*attn, ("window", window)))
-        layers.append(kv)
+        window, g = config.window(i), cache.group_of(i)
+        b = cache.layer_buffer[i] if cache.layer_buffer else i
+        mine = (positions, cache_pos[g], tables[g], seq_lens, query_start)
+        x, bufs[b], load = decoder_layer(p, x, bufs[b], mine, rots[window is not None],
+                                         config=config, attn=(*attn, ("window", window)))
         loads.append(load)
-    return x, layers, loads
+    return x, bufs, loads
 
 
 def _embed(embed: Float[Array, "V E"] | Packed, token_ids: Int[Array, "T"],

@@ -1,0 +1,141 @@
+"""The hybrid KV cache (cache/groups.py) in the engine: sliding-window layers in groups of their
+own give exactly the tokens of one group of every layer, while holding only their windows.
+
+The tiny Gemma 3 model's 8-token window is far shorter than the prompts, so a group that
+dropped a block its window still reads, or read a block another sequence took, would change
+the tokens; the engine checks its host mirror and the allocator invariants (per group) after
+every step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from paged_jax.cache.groups import plan_groups
+from paged_jax.llm import LLM, kv_groups_for
+from paged_jax.models.testing import byte_tokenizer, random_params, tiny_gemma3_config
+from paged_jax.sampling_params import BeamSearchParams, SamplingParams
+from tests import engine_helpers as helpers
+from tests.engine_helpers import all_free, prompts, run, tokens
+
+SHARED = "a system prompt that every request shares, longer than the window: "
+LONG = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@functools.cache
+def model():
+    c = tiny_gemma3_config()
+    return c, random_params(c), byte_tokenizer()
+
+
+def groups():
+    c = model()[0]
+    return plan_groups(tuple(c.window(i) for i in range(c.num_layers)))
+
+
+def engine(hybrid: bool, **overrides):
+    kw = dict(enable_prefix_caching=False, **overrides)
+    return helpers.engine(model(), kv_groups=groups() if hybrid else None, **kw)
+
+
+def requests(n: int) -> list[tuple[str, str, SamplingParams]]:
+    return [(str(i), SHARED + p, LONG) for i, p in enumerate(prompts(n))]
+
+
+@pytest.fixture(scope="module")
+def one_group():
+    return run(engine(False), requests(12))
+
+
+def test_groups_of_gemma_layouts():
+    """Gemma 3's pattern (5 sliding : 1 full): 270M's 18 layers make 6 groups of 3, 1B's 26
+    make 13 of 2; every group holds layers of one type; no windows: one group."""
+    for n, size, local in ((18, 3, 5), (26, 2, 11)):
+        windows = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(n))
+        g = plan_groups(windows)
+        assert g.num_buffers == size and g.windows.count(512) == local
+        assert g.num_groups * size == n and g.windows.count(None) == g.num_groups - local
+        for grp in range(g.num_groups):
+            members = [i for i in range(n) if g.layer_group[i] == grp]
+            assert {windows[i] for i in members} == {g.windows[grp]}
+            assert sorted(g.layer_buffer[i] for i in members) == list(range(size))
+    assert not plan_groups((None,) * 4).hybrid
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_hybrid_equals_one_group(one_group, static):
+    eng = engine(True, static_shapes=static)
+    outs = run(eng, requests(12), check=True)
+    for rid, *_ in requests(12):
+        assert tokens(outs, rid) == tokens(one_group, rid), rid
+    assert all_free(eng)
+
+
+def test_sliding_groups_hold_only_their_window():
+    """After a long prompt and a few decodes, the pool holds what the per-group arithmetic
+    says (CacheConfig.blocks_for), far less than G full tables would."""
+    eng = engine(True, static_shapes=False, max_model_len=256)
+    eng.add_request("a", "x" * 150, SamplingParams(max_tokens=30, ignore_eos=True))
+    cc = eng.config.cache
+    while eng.has_unfinished():
+        eng.step()
+        (seq,) = [s for r in eng.scheduler.running for s in r.seqs] or [None]
+        if seq is None or seq.num_computed == 0:
+            continue
+        used = cc.usable_blocks - int(eng.state.pool.num_free)
+        assert used == cc.blocks_for(seq.num_computed), seq.num_computed
+        full = cc.num_groups * -(-seq.num_computed // cc.block_size)
+        assert seq.num_computed < 100 or used < 0.6 * full
+    assert all_free(eng)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_forced_preemption_loses_nothing(one_group, mode):
+    eng = engine(True, num_kv_blocks=40, max_num_batched_tokens=16, preemption_mode=mode)
+    outs = run(eng, requests(12), check=True)
+    assert sum(s.preempted for s in eng.stats) > 0, "the small cache should force preemption"
+    for rid, *_ in requests(12):
+        assert tokens(outs, rid) == tokens(one_group, rid), rid
+    assert all_free(eng)
+
+
+def llm(hybrid: bool, **kw) -> LLM:
+    return LLM(model_parts=model(), max_num_seqs=8, max_model_len=256, num_kv_blocks=300,
+               block_size=8, enable_prefix_caching=False, hybrid_kv_cache=hybrid, **kw)
+
+
+def test_parallel_sampling_beams_and_speculation_match_one_group():
+    """n > 1 (forks in a step), beam search (forks as ops, copy-on-write) and n-gram
+    speculative decoding (verify steps roll back before the windows slide) give the tokens
+    of one group."""
+    prompt = SHARED + "tell me more, tell me more, tell me more"
+    sp = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=20, ignore_eos=True)
+    beam = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
+    spec = dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    got = {}
+    for hybrid in (True, False):
+        eng = llm(hybrid)
+        assert (eng.engine_config.kv_groups is not None) == hybrid
+        samples = [o.token_ids for o in eng.generate([prompt], sp, use_tqdm=False)[0].outputs]
+        beams = [(b.tokens, b.cum_logprob) for b in eng.beam_search([prompt], beam)[0].sequences]
+        greedy = llm(hybrid, **spec).generate([prompt], LONG, use_tqdm=False)[0]
+        got[hybrid] = samples, [b[0] for b in beams], greedy.outputs[0].token_ids
+        np.testing.assert_allclose([b[1] for b in beams], sorted((b[1] for b in beams),
+                                                                 reverse=True))
+        assert all_free(eng.llm_engine)
+    assert got[True] == got[False]
+
+
+def test_auto_choice_and_refusals():
+    c = model()[0]
+    assert kv_groups_for(c, None, False, None) == groups()
+    assert kv_groups_for(c, None, True, None) is None  # prefix caching: one group, as before
+    assert kv_groups_for(c, False, False, None) is None
+    assert kv_groups_for(helpers.model()[0], True, False, None) is None  # no windows
+    with pytest.raises(ValueError, match="prefix caching"):
+        LLM(model_parts=model(), enable_prefix_caching=True, hybrid_kv_cache=True,
+            num_kv_blocks=64, max_model_len=128)
