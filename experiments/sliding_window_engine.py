@@ -7,9 +7,11 @@ Held: N requests of `context` prompt tokens (random ids, no shared prefix) run t
 through `LLM`'s engine in a pool of `budget` bytes; after every step we count the sequences
 that hold at least `context` computed tokens at once. N is what the block arithmetic says the
 pool holds plus two, so the pool, not the request count, is the limit. The weights are random
-and everything but the KV layout (layers, KV heads, head dim, window, layer pattern) is tiny:
-the count depends only on the layout and the allocator, and prefilling dozens of 32k-token
-prompts through the real 270M model would take hours on this CPU.
+and everything but the KV layout (layers, KV heads, window, layer pattern) is tiny: the count
+depends only on the layout and the allocator, and prefilling dozens of 32k-token prompts
+through the real 270M model would take hours on this CPU. The head dim is cut to 32 with the
+budget cut by the same factor (sliding_window_kv.main), so the pool has exactly the real
+shape's block count while attention does an eighth of the work.
 
 Throughput: the real model (its weights) at a context where the pool is the limit; output
 tokens per second over the whole run (prefill included, as a user sees it) and the mean batch
@@ -32,13 +34,14 @@ from paged_jax.sampling_params import SamplingParams
 LAYOUTS = {"one group": False, "hybrid": True}
 
 
-def layout_model(config: ModelConfig, max_len: int) -> tuple:
-    """Random (config, params, tokenizer) with `config`'s KV layout and tiny everything else
-    (hidden 64, one query head per KV head, a byte vocabulary)."""
+def layout_model(config: ModelConfig, max_len: int, head_dim: int | None = None) -> tuple:
+    """Random (config, params, tokenizer) with `config`'s KV layout (its head dim, or
+    `head_dim`) and tiny everything else (hidden 64, one query head per KV head, a byte
+    vocabulary)."""
     c = tiny_gemma3_config(
         num_layers=config.num_layers, layer_types=config.layer_types,
         sliding_window=config.sliding_window, num_kv_heads=config.num_kv_heads,
-        num_heads=config.num_kv_heads, head_dim=config.head_dim, hidden_size=64,
+        num_heads=config.num_kv_heads, head_dim=head_dim or config.head_dim, hidden_size=64,
         intermediate_size=64, max_position_embeddings=max_len)
     return c, random_params(c), byte_tokenizer()
 

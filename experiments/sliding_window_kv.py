@@ -63,10 +63,13 @@ def main(block: int = 16, budget_gib: float = 1.0, name: str = "sliding_window_k
                                                   for i in range(config.num_layers)),
                                window=config.sliding_window, block_size=block,
                                budget_gib=budget_gib, kv_dtype="float32"), rows=rows)
-    if engine_contexts:
-        parts = sw.layout_model(config, max(engine_contexts) + 1024)
-        payload["held"] = [sw.held(parts, c, h, int(budget_gib * 2**30))
+    if engine_contexts:  # head dim 32, budget cut alike: the same blocks (sliding_window_engine)
+        dim = min(config.head_dim, 32)
+        parts = sw.layout_model(config, max(engine_contexts) + 1024, head_dim=dim)
+        budget = int(budget_gib * 2**30 * dim / config.head_dim)
+        payload["held"] = [sw.held(parts, c, h, budget)
                            for c in engine_contexts for h in sw.LAYOUTS.values()]
+        payload["config"].update(engine_head_dim=dim, engine_budget_bytes=budget)
         print(table(payload["held"], ["context", "layout", "groups", "pool_blocks",
                                       "blocks_per_seq", "arithmetic", "held"]))
         payload["targets"] = targets(payload["held"], rows)

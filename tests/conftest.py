@@ -57,6 +57,9 @@ SLOW_MODULES = {
     "test_distributed.py", "test_serve_routed.py",
 }
 SLOW_TESTS = {
+    "test_hybrid_state_machine.py": {"test_ten_thousand_operations"},
+    "test_engine_hybrid_kv.py": {"test_forced_preemption_loses_nothing",
+                                 "test_parallel_sampling_beams_and_speculation_match_one_group"},
     "test_engine_pallas.py": {"test_windows_mixed_steps_chunked_prefill_and_forks",
                               "test_prefix_cache_hits", "test_preemption",
                               "test_quantized_caches", "test_beam_search"},

@@ -131,6 +131,10 @@ def test_parallel_sampling_beams_and_speculation_match_one_group():
 
 
 def test_auto_choice_and_refusals():
+    from paged_jax.serve.cli import HYBRID, parser
+
+    assert HYBRID[parser().parse_args(["m.gguf", "--hybrid-kv-cache", "off"]).hybrid_kv_cache] \
+        is False
     c = model()[0]
     assert kv_groups_for(c, None, False, None) == groups()
     assert kv_groups_for(c, None, True, None) is None  # prefix caching: one group, as before

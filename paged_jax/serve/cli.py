@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 
+HYBRID = {"auto": None, "on": True, "off": False}  # --hybrid-kv-cache -> LLM(hybrid_kv_cache=)
+
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="paged-jax serve", description=__doc__.splitlines()[0])
@@ -27,6 +29,9 @@ def parser() -> argparse.ArgumentParser:
                     help="weight-only quantization on the CPU matmul kernel (vLLM's flag)")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                     default=True)
+    ap.add_argument("--hybrid-kv-cache", default="auto", choices=list(HYBRID),
+                    help="sliding-window layers keep only their window's blocks (LLM's "
+                         "hybrid_kv_cache: auto = with windows and no prefix caching)")
     ap.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     ap.add_argument("--swap-space", type=float, default=4, help="GiB")
     ap.add_argument("--decode-window", type=int, default=8)
@@ -84,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
               enable_prefix_caching=a.enable_prefix_caching, swap_space=a.swap_space,
               kv_cache_dtype=a.kv_cache_dtype, async_scheduling=a.async_scheduling,
               long_prefill_token_threshold=a.long_prefill_token_threshold,
-              quantization=a.quantization, speculative_config=a.speculative_config)
+              quantization=a.quantization, speculative_config=a.speculative_config,
+              hybrid_kv_cache=HYBRID[a.hybrid_kv_cache])
     name = a.served_model_name or default_name(a.model)
     if a.strong_model is None:
         app = build_app(LLM(a.model, **kw), name, a.max_pending, a.plan_eagerly)
