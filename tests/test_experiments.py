@@ -112,7 +112,7 @@ def test_sliding_window_kv():
     # at most one short of it (the last one may be growing when the pool runs out).
     for r in held.values():
         assert r["arithmetic"] - 1 <= r["held"] <= r["arithmetic"], r
-    assert held["hybrid"]["held"] > 2 * held["one group"]["held"] > 0
+    assert held["hybrid"]["held"] >= 2 * held["one group"]["held"] > 0
     assert held["hybrid"]["groups"] == 3 and "arithmetic_met" in data["targets"]
     rows = {r["context"]: r for r in data["rows"]}
     assert rows[512]["saving"] == 0 and 0 < rows[1024]["saving"] < rows[8192]["saving"] < 1
