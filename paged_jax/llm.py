@@ -99,13 +99,11 @@ def kv_groups_for(config, hybrid: bool | None, prefix_caching: bool,
     """The engine's KV cache groups (cache/groups.py): sliding-window layers in groups of
     their own when the model has them and `hybrid` is True, or None (auto) with prefix
     caching off and no draft model (neither runs on groups yet); else None: one group."""
-    windows = tuple(config.window(i) for i in range(config.num_layers))
-    if hybrid is False or all(w is None for w in windows):
-        return None
+    groups = plan_groups(tuple(config.window(i) for i in range(config.num_layers)))
     draft = speculative is not None and speculative.model is not None
-    if hybrid is None and (prefix_caching or draft):
+    if hybrid is False or not groups.hybrid or (hybrid is None and (prefix_caching or draft)):
         return None
-    return plan_groups(windows)
+    return groups
 
 
 def block_bytes(config, draft: tuple | None, tp: int, block_size: int, kv_dtype,

@@ -208,20 +208,32 @@ def reserve_tokens(
     return pool_out, table_out, (cow_src, cow_dst), ok
 
 
-def slide(pool: BlockPool, table: PageTable) -> tuple[BlockPool, PageTable]:
+def slide(pool: BlockPool, table: PageTable,
+          max_cols: int | None = None) -> tuple[BlockPool, PageTable]:
     """Drops each sliding-window group's references to blocks its window no longer reads (at
     the sequences' current lengths): their columns point at the zero block, and a block no
     one else holds goes back to the pool. A no-op without windows. Run once a step's lengths
-    are final (after a verify step's rollback), so a later query never needs a dropped key."""
+    are final (after a verify step's rollback), so a later query never needs a dropped key.
+
+    Args:
+      max_cols: static bound on the columns any window left since the last slide (a step
+        that grew each sequence by at most B blocks: B + 1); only the `max_cols` columns
+        before each window's start are looked at. None: every column.
+    """
     local = [i for i, w in enumerate(table.windows) if w is not None]
     if not local:
         return pool, table
-    col = jnp.arange(table.max_blocks_per_seq)[None, None, :]
-    first = table.first_kept(table.seq_lens)[jnp.asarray(local)][..., None]
-    rows = table.block_tables[jnp.asarray(local)]
-    drop = (col < first) & (rows != NULL_BLOCK)
-    pool = pool_lib.decref(pool, jnp.where(drop, rows, NULL_BLOCK))
-    tables = table.block_tables.at[jnp.asarray(local)].set(jnp.where(drop, NULL_BLOCK, rows))
+    local, p = jnp.asarray(local), table.max_blocks_per_seq
+    rows = table.block_tables[local]  # [Gl, S, P]
+    first = table.first_kept(table.seq_lens)[local][..., None]
+    col = (jnp.broadcast_to(jnp.arange(p), rows.shape) if max_cols is None
+           else first - 1 - jnp.arange(min(max_cols, p)))
+    ids = jnp.take_along_axis(rows, jnp.clip(col, 0, p - 1), axis=2)
+    drop = (col >= 0) & (col < first) & (ids != NULL_BLOCK)
+    pool = pool_lib.decref(pool, jnp.where(drop, ids, NULL_BLOCK))
+    s = jnp.arange(rows.shape[1])[None, :, None]
+    tables = table.block_tables.at[local[:, None, None], s, jnp.where(drop, col, p)].set(
+        NULL_BLOCK, mode="drop")
     return pool, dataclasses.replace(table, block_tables=tables)
 
 

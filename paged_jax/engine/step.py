@@ -210,7 +210,8 @@ def forward_if_room(params: Params, state: EngineState, batch: StepBatch, cfg: S
         st, b, extra = (st, batch, None) if prepare is None else prepare(st, batch)
         logits, cache, prompt, hidden = forward_rows(params, st, b, cfg, shape)
         st, out = after(dataclasses.replace(st, cache=cache), logits, prompt, hidden, b, extra)
-        pool2, table2 = pt.slide(st.pool, st.table)  # lengths are final: windows move on
+        # Lengths are final: windows move on, by at most the blocks a row gained (+ 1).
+        pool2, table2 = pt.slide(st.pool, st.table, shape.max_new_blocks + 1)
         return dataclasses.replace(st, pool=pool2, table=table2), out
 
     # Not ok: reserve changed nothing, so the state comes back as it was.
