@@ -5,11 +5,16 @@ batches; the KV manager's mirror equal to the device after every step; a sampled
 that a chi-square test cannot tell from plain decoding's; LLM and server take vLLM's
 `{"model": ...}` config."""
 
+from unittest import mock
+
 import jax
 import numpy as np
 import pytest
 
+from paged_jax import compile_cache
+from paged_jax.compile_cache import relieve_jit_mappings
 from paged_jax.engine.speculative import SpeculativeConfig
+from paged_jax.engine.verify import run_verify
 from paged_jax.models.testing import random_params, tiny_config
 from paged_jax.sampling_params import SamplingParams
 from tests.engine_helpers import BUCKETS, all_free, engine, model, run
@@ -119,9 +124,52 @@ def test_the_same_work_again_compiles_no_verify_program():
                                          enable_prefix_caching=False), GREEDY)
 
 
+def test_one_at_a_time_after_warm_up_compiles_no_verify_program():
+    """Batch 1, as the experiment's batch-1 cells: after one warm-up request, prompts of
+    other lengths whose max_tokens end anywhere in a run of drafts (fewer drafts fit) build
+    no verify program: a draft model's verify shape follows the row bucket alone."""
+    c, p, _ = model()
+    eng = engine(**BUCKETS, speculative=SPEC, draft=(c, near(p, 0.3)),
+                 enable_prefix_caching=False)
+    relieve_jit_mappings(fraction=0.3)  # no program dropped while counting (test_speculative)
+    with mock.patch.object(compile_cache, "relieve_jit_mappings", lambda *a, **k: False):
+        run(eng, [("warm", PROMPTS[0], GREEDY)])
+        before = run_verify._cache_size()
+        for i, prompt in enumerate(PROMPTS[1:]):
+            for most in (5, 6, 7, 13):
+                sp = SamplingParams(temperature=0.0, max_tokens=most, ignore_eos=True)
+                assert run(eng, [(f"{i} {most}", prompt, sp)])[f"{i} {most}"].outputs
+        assert run_verify._cache_size() == before
+    assert eng.scheduler.spec.num_draft_tokens > 0
+
+
+STOPPING = SpeculativeConfig(method="draft_model", model="tiny", num_speculative_tokens=3,
+                             draft_stop_probability=0.5)
+
+
+@pytest.mark.parametrize("kind", ["same", "near"])
+def test_rows_that_stop_drafting_early_keep_plain_tokens(kind):
+    """A row stops drafting once its drafts' probability under the draft falls below 0.5
+    (the tiny random model is rarely that sure): plain decoding's tokens still, fewer drafts
+    made than k per verify row, and the metrics count the drafts made (the target as its
+    own draft keeps every one it made)."""
+    draft = {"same": lambda p: p, "near": lambda p: near(p, 0.3)}[kind]
+    reqs = [(str(i), q, GREEDY) for i, q in enumerate(PROMPTS)]
+    plain, spec, eng = drafted(draft, reqs, spec=STOPPING)
+    assert spec == plain
+    c = eng.scheduler.spec
+    assert 0 < c.num_drafts <= c.num_draft_tokens < STOPPING.k * c.num_drafts
+    if kind == "same":
+        assert c.num_accepted_tokens == c.num_draft_tokens
+    assert all_free(eng)
+
+
 def test_config_and_draft_errors_name_the_problem():
     c, p, _ = model()
     assert SpeculativeConfig.of({"model": "x", "num_speculative_tokens": 2}).draft_model
+    for bad in ({"draft_stop_probability": 0.5}, {"model": "x", "draft_stop_probability": 1}):
+        with pytest.raises(ValueError, match="draft_stop_probability"):
+            SpeculativeConfig.of(bad)
     with pytest.raises(ValueError, match="draft `model`"):
         SpeculativeConfig.of({"method": "draft_model"})
     with pytest.raises(ValueError, match="pass its"):
@@ -143,10 +191,11 @@ def _samples(spec, seeds: range, position: int) -> np.ndarray:
 
 
 @pytest.mark.slow
-def test_sampled_distribution_matches_plain_decoding_chi_square():
+@pytest.mark.parametrize("spec", [SPEC, STOPPING], ids=["k drafts", "stopping early"])
+def test_sampled_distribution_matches_plain_decoding_chi_square(spec):
     """End to end: the 2nd output token's frequencies over independent seeds (drafted,
     then kept or redrawn) pass a chi-square homogeneity test at p > 0.001."""
-    p = homogeneity_p(_samples(None, range(0, 600), 1), _samples(SPEC, range(1000, 1600), 1))
+    p = homogeneity_p(_samples(None, range(0, 600), 1), _samples(spec, range(1000, 1600), 1))
     assert p > 1e-3, f"draft-model sampling differs from plain sampling (p = {p:.2g})"
 
 

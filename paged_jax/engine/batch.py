@@ -127,9 +127,10 @@ def build(plan: Plan, ec, eos_ids: list[int], vocab_size: int, backend: str) -> 
 
 def build_draft(plan: Plan, rows: list[Sequence], r: int) -> tuple[DraftBatch, int]:
     """A verify call's draft-model catch-up over its R rows, and its max_q bucket: tokens
-    padded to a half octave (1-2 per row once sequences speculate), rows to R."""
+    padded to 2R (a speculating row catches up 1-2 tokens) or, when more, a half octave;
+    max_q at least 2; rows to R. One shape per row bucket in steady decoding."""
     spans = [plan.catchup.get(id(s), (0, 0)) for s in rows]
-    c = next_half_octave(max(1, sum(n for _, n in spans)))
+    c = max(2 * r, next_half_octave(max(1, sum(n for _, n in spans))))
     tok, pos, rows_of = np.zeros(c, np.int32), np.zeros(c, np.int32), np.full(c, -1, np.int32)
     qs, lens, num = np.zeros(r + 1, np.int32), np.zeros(r, np.int32), np.zeros(r, np.int32)
     o = 0
@@ -141,7 +142,7 @@ def build_draft(plan: Plan, rows: list[Sequence], r: int) -> tuple[DraftBatch, i
         qs[i + 1] = o
     qs[len(rows) + 1:] = o
     return (DraftBatch(tok, pos, rows_of, seq_lens=lens, num_drafts=num, query_start=qs),
-            next_pow2(max(n for _, n in spans)))
+            next_pow2(max(n for _, n in spans), 2))
 
 
 def build_ops(ops: dict[str, np.ndarray] | None, ec) -> KVOps:
@@ -215,7 +216,8 @@ def build_step(
              if seq.num_computed + n == seq.length and seq.owner.params.n > 1
              and not seq.owner.forked and seq.index == 0]
     rows = [seq for seq, _ in chunks] + [c for _, cs in forks for c in cs]
-    r, t = _step_buckets(chunks, len(rows), ec, bool(plan.drafts))
+    verify = bool(plan.drafts or plan.catchup)
+    r, t = _step_buckets(chunks, len(rows), ec, verify)
     tok, pos, rows_of = np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, -1, np.int32)
     row_slots, qs, sample = np.full(r, -1, np.int32), np.zeros(r + 1, np.int32), np.zeros(r, bool)
     o = 0
@@ -237,7 +239,7 @@ def build_step(
     fs, fd, fi = (np.full(f, -1, np.int32) for _ in range(3))
     for j, (a, b, c) in enumerate(pairs):
         fs[j], fd[j], fi[j] = a, b, c
-    shape = _step_shape(chunks, t, r, rows, ec, backend)
+    shape = _step_shape(chunks, t, r, rows, ec, backend, verify and _drafting_model(ec))
     next_ids = _next_ids(chunks, t)
     if next_ids is not None:
         shape = dataclasses.replace(shape, prompt_top=ec.max_logprobs)
@@ -276,6 +278,9 @@ def _step_buckets(chunks: list[tuple[Sequence, int]], num_rows: int, ec,
     top = next_pow2(ec.max_num_batched_tokens)
     if ec.static_shapes:
         return ec.max_num_seqs, max(top, next_pow2(ec.max_num_seqs))
+    if verify and _drafting_model(ec):  # every row at k + 1 tokens: see _drafting_model
+        r = next_pow2(num_rows)
+        return r, r * (ec.speculative.k + 1)
     if verify:  # decodes and their drafts: compute-bound on a CPU, so pad a third at most
         return next_pow2(num_rows), next_half_octave(sum(n for _, n in chunks))
     if not any(n > 1 for _, n in chunks):  # decodes only: the window's buckets (from 1)
@@ -303,11 +308,26 @@ def _next_ids(chunks: list[tuple[Sequence, int]], t: int) -> np.ndarray | None:
     return out
 
 
-def _step_shape(chunks, t: int, r: int, rows: list[Sequence], ec, backend: str) -> StepShape:
+def _drafting_model(ec) -> bool:
+    """Whether verify calls run a draft model. Their shapes then depend on the row bucket
+    alone (tokens R x (k + 1), max_q k + 1, every row long; catch-up in build_draft): how
+    many drafts a row verifies (fewer before max_tokens, none while the draft catches up)
+    and the draft's lag otherwise made combinations that a few prompts of warm-up need not
+    meet, so programs were built mid-run (experiments.speculative_draft counted 4 in a timed
+    cell). At the batch sizes a draft model runs at, a verify step reads the weights once
+    whatever its T: the padding costs little."""
+    return ec.speculative is not None and bool(ec.speculative.draft_model) \
+        and not ec.static_shapes
+
+
+def _step_shape(chunks, t: int, r: int, rows: list[Sequence], ec, backend: str,
+                fixed_verify: bool = False) -> StepShape:
     # Queries per long row: the whole bucket, or an eighth of it when every chunk is short
     # (many small prefill chunks, e.g. after prefix-cache hits: the reference pads each row).
     longest = max(n for _, n in chunks)
     num_long = sum(1 for _, n in chunks if n > 1)
+    if fixed_verify:  # as if every row verified k drafts (_drafting_model)
+        longest, num_long = ec.speculative.k + 1, r
     max_q = 1 if not num_long else max(1, t // 8) if longest <= t // 8 else t
     long_rows = None if not num_long else 1 if num_long == 1 else 4 if num_long <= 4 else r
     if ec.static_shapes:

@@ -93,23 +93,40 @@ def prefill(dparams: Params, st: EngineState, batch: StepBatch, cfg: StepConfig,
 
 
 def _draw(logits: Float[Array, "R V"], view: smp.SamplingState, j: int | Int[Array, ""],
-          flags: smp.SampleFlags) -> tuple[Int[Array, "R"], Float[Array, "R V"] | None]:
-    """Draft token j + 1 of each row and q_j, the distribution it was drawn from (None when
-    every row is greedy: the verify rule then needs only the token)."""
+          flags: smp.SampleFlags
+          ) -> tuple[Int[Array, "R"], Float[Array, "R V"] | None, Float[Array, "R"]]:
+    """Draft token j + 1 of each row, q_j, the distribution it was drawn from (None when
+    every row is greedy: the verify rule then needs only the token), and the draft's
+    probability of that token (q_j's; a greedy row's softmax of the logits)."""
     view = dataclasses.replace(view, num_generated=view.num_generated + j)
     flags = dataclasses.replace(flags, grammar=False)  # constrained rows draft nothing
     if not flags.random:
-        return smp.sample(logits, view, flags=dataclasses.replace(
-            flags, logprobs=False, num_top_logprobs=0)).tokens, None
+        tok = smp.sample(logits, view, flags=dataclasses.replace(
+            flags, logprobs=False, num_top_logprobs=0)).tokens
+        return tok, None, _softmax_at(logits, tok)
     q = smp.distribution(logits, view, flags)
-    return smp.draw_from(q, view, DRAW_SALT), q
+    tok = smp.draw_from(q, view, DRAW_SALT)
+    sure = jnp.where(view.temperature > 0.0, jnp.take_along_axis(q, tok[:, None], 1)[:, 0],
+                     _softmax_at(logits, tok))
+    return tok, q, sure
+
+
+def _softmax_at(logits: Float[Array, "R V"], tok: Int[Array, "R"]) -> Float[Array, "R"]:
+    x = logits.astype(jnp.float32)
+    return jnp.exp(jnp.take_along_axis(x, tok[:, None], 1)[:, 0]
+                   - jax.nn.logsumexp(x, axis=-1))
 
 
 def propose(dparams: Params, st: EngineState, batch: StepBatch, dbatch: DraftBatch,
             cfg: StepConfig, shape: StepShape
-            ) -> tuple[EngineState, StepBatch, Float[Array, "R K V"] | None]:
+            ) -> tuple[EngineState, StepBatch, tuple[Float[Array, "R K V"] | None,
+                                                     Int[Array, "R"]]]:
     """The module docstring's steps: (state with the draft's K/V written, the verify batch
-    with its drafts filled in, q [R, K, V] (None for an all-greedy batch))."""
+    with its drafts filled in, (q [R, K, V] (None for an all-greedy batch), the drafts each
+    row verifies: dbatch.num_drafts, or fewer where it stopped early)). A row stops
+    drafting once its drafts' probability under the draft (their product) falls below
+    cfg.draft_stop (a further draft step would likely be wasted); the loop ends when no row
+    drafts on, so stopped rows save the draft's forwards at batch 1."""
     # rows with penalties draft nothing (speculative.may_speculate): the draft skips them
     k, flags = shape.verify - 1, dataclasses.replace(shape.flags, penalties=False)
     slots, r = batch.row_slots, batch.row_slots.shape[0]
@@ -119,26 +136,33 @@ def propose(dparams: Params, st: EngineState, batch: StepBatch, dbatch: DraftBat
         dparams, st, cfg, shape, slots, dbatch.token_ids, dbatch.positions, dbatch.token_rows,
         dbatch.query_start, dbatch.seq_lens, max_q=shape.draft_q)
     st = dataclasses.replace(st, draft=cache)
-    first, q0 = _draw(logits, view, 0, flags)
+    first, q0, sure = _draw(logits, view, 0, flags)
     pos0 = batch.positions[jnp.clip(batch.query_start[:-1], 0, batch.positions.shape[0] - 1)]
     drafts = jnp.zeros((r, k), jnp.int32).at[:, 0].set(first)
     qs = None if q0 is None else jnp.zeros((r, k, q0.shape[1]), jnp.float32).at[:, 0].set(q0)
     rows, one_each = jnp.arange(r, dtype=jnp.int32), jnp.arange(r + 1, dtype=jnp.int32)
+    made = jnp.minimum(dbatch.num_drafts, live.astype(jnp.int32))  # draft 1 costs nothing more
 
-    def step(j, carry):  # feed draft j (position pos0 + j), draw draft j + 1
-        st, drafts, qs = carry
-        on = live & (j < dbatch.num_drafts)
+    def going(j, made, sure):  # rows that draw draft j + 1 at step j
+        return live & (made == j) & (j < dbatch.num_drafts) & (sure >= cfg.draft_stop)
+
+    def step(carry):  # feed draft j (position pos0 + j), draw draft j + 1
+        j, st, drafts, qs, made, sure = carry
+        on = going(j, made, sure)
         pos = pos0 + j
         logits, cache = _draft_forward(
             dparams, st, cfg, shape, jnp.where(on, slots, -1), drafts[:, j - 1], pos,
             jnp.where(on, rows, -1), one_each, jnp.where(on, pos + 1, 0), max_q=1)
-        tok, q = _draw(logits, view, j, flags)
+        tok, q, p = _draw(logits, view, j, flags)
         drafts = drafts.at[:, j].set(tok)
         qs = None if qs is None else qs.at[:, j].set(q)
-        return dataclasses.replace(st, draft=cache), drafts, qs
+        made, sure = made + on, jnp.where(on, sure * p, sure)
+        return j + 1, dataclasses.replace(st, draft=cache), drafts, qs, made, sure
 
-    st, drafts, qs = jax.lax.fori_loop(1, k, step, (st, drafts, qs))
-    return st, _fill(batch, drafts, dbatch.num_drafts), qs
+    _, st, drafts, qs, made, _ = jax.lax.while_loop(
+        lambda c: (c[0] < k) & jnp.any(going(c[0], c[4], c[5])), step,
+        (jnp.asarray(1, jnp.int32), st, drafts, qs, made, sure))
+    return st, _fill(batch, drafts, dbatch.num_drafts), (qs, made)
 
 
 def _fill(batch: StepBatch, drafts: Int[Array, "R K"], num: Int[Array, "R"]) -> StepBatch:

@@ -284,9 +284,11 @@ class KVManager:
     def advance_draft(self, seq: Sequence, catchup: tuple[int, int], drafts: int,
                       start: int) -> None:
         """After a verify call with a draft model (draft.py): the draft read its catch-up
-        (and, if it drafted, holds those of its drafts 1 .. drafts - 1 that were kept)."""
+        and, if it drafted, some of its drafts 1 .. drafts - 1: at least those kept but the
+        last (a row may stop drafting early, draft.propose), so the draft reads the last
+        kept token again with the next catch-up (the same K/V, rewritten)."""
         first, n = catchup
-        seq.draft_computed = min(seq.num_computed, start + drafts) if drafts else first + n
+        seq.draft_computed = min(seq.num_computed - 1, start + drafts) if drafts else first + n
 
     # ---- after a call --------------------------------------------------------------------
     def update_from_output(self, rows: list[tuple[Sequence, int, int]], out, sent: Sent,

@@ -81,6 +81,8 @@ class StepOutput:
       refcount: [N] refcounts after the call (prefix caching; else None).
       prompt: per-token prompt logprobs ([T] arrays; None unless a row asked).
       hidden: [R, E] last hidden state per row (None unless asked).
+      drafted: [R] the drafts each row verified in a draft model's verify call (it may
+        stop a row before k: draft.propose); None otherwise.
       seconds: wall time from sending the call to its read.
       wait: the part of it the host spent blocked in the read (the rest it had for itself).
     """
@@ -102,6 +104,7 @@ class StepOutput:
     refcount: np.ndarray | None
     prompt: PromptLogprobs | None = None
     hidden: np.ndarray | None = None
+    drafted: np.ndarray | None = None  # [R] a draft model's drafts per row (verify)
     seconds: float = 0.0
     wait: float = 0.0
 
@@ -237,7 +240,8 @@ class Runner:
                 kv_dtype), pages)
         self.state = EngineState(pool, table, cache, sampling, draft_cache)
         self.cfg = StepConfig(model, ec.backend or default_backend(), self.mesh,
-                              ec.enable_prefix_caching, draft and draft[0])
+                              ec.enable_prefix_caching, draft and draft[0],
+                              ec.speculative.draft_stop_probability if draft else 0.0)
         self._eos = list(model.eos_token_ids)
         self._programs = 0  # compiled programs seen after the last call
 
@@ -322,7 +326,8 @@ class Runner:
             out["finished"][:r], out["reason"][:r], out["full_blocks"][:r], refcount,
             prompt=(PromptLogprobs(**out["prompt"])
                     if step and call.shape.prompt_top is not None else None),
-            hidden=out["hidden"][:r] if step and call.shape.hidden else None)
+            hidden=out["hidden"][:r] if step and call.shape.hidden else None,
+            drafted=out["drafted"][:r] if out.get("drafted") is not None else None)
 
     def _swap_in(self, call: batch_lib.Call, restores: list[tuple]) -> None:
         """Applies the call's ops first (its releases may free the blocks a swap-in takes),

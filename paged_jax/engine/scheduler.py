@@ -357,7 +357,8 @@ class Scheduler:
                 self.kv.advance_draft(seq, plan.catchup[id(seq)],
                                       len(plan.drafts.get(id(seq), ())), start)
             if id(seq) in plan.drafts:
-                self.spec.count(seq.owner, len(plan.drafts[id(seq)]), emitted - 1)
+                made = len(plan.drafts[id(seq)]) if out.drafted is None else int(out.drafted[i])
+                self.spec.count(seq.owner, made, emitted - 1)
             rows.append((seq, start, seq.num_computed - start))
             if done:
                 finished.append(seq)

@@ -51,6 +51,11 @@ class SpeculativeConfig:
       prompt_lookup_min / prompt_lookup_max: n-gram lengths searched, longest first.
       disable_by_batch_size: speculate only while fewer sequences than this decode (vLLM's
         name); larger batches are bound by compute, where verifying rejected tokens costs.
+      draft_stop_probability: a draft model only: a row stops drafting once the draft's
+        probability of its drafts so far (their product) falls below this, so a verify
+        step may check fewer than k (0: always k). Each draft step is a draft forward; one
+        after an unlikely draft is mostly wasted. The output is unchanged (greedy: plain
+        decoding's; sampled: the rejection rule holds for any number of drafts).
     """
 
     method: str = "ngram"
@@ -60,6 +65,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 1 << 30
+    draft_stop_probability: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -81,6 +87,10 @@ class SpeculativeConfig:
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.disable_by_batch_size < 1:
             raise ValueError("disable_by_batch_size must be >= 1")
+        if not 0.0 <= self.draft_stop_probability < 1.0 or (
+                self.draft_stop_probability and self.model is None):
+            raise ValueError(f"draft_stop_probability must be in [0, 1) and applies to a draft "
+                             f"model, got {self.draft_stop_probability!r}")
 
     @classmethod
     def of(cls, spec: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:

@@ -37,3 +37,4 @@ class StepConfig:
     mesh: Mesh | None = None  # tensor parallelism: the "model" mesh (paged_jax/models/parallel.py)
     prefix_caching: bool = False  # report newly full blocks and refcounts (StepOut)
     draft_model: ModelConfig | None = None  # speculative decoding's draft (engine/draft.py)
+    draft_stop: float = 0.0  # a row stops drafting below this probability (draft.propose)

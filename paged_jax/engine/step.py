@@ -199,7 +199,7 @@ def forward_if_room(params: Params, state: EngineState, batch: StepBatch, cfg: S
     empty) with nothing changed. Shared by `step_body` and the verify step (engine/verify.py),
     whose `prepare(state', batch) -> (state', batch', extra)` runs between the copies and the
     forward (a draft model writes its K/V into the blocks just reserved and fills in the
-    drafts; extra is their distributions: engine/draft.py)."""
+    drafts; extra is (their distributions, the drafts each row verifies): engine/draft.py)."""
     pool, table, (src, dst), ok = _reserve(state, batch, shape)
 
     def go(carry):

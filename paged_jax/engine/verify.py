@@ -56,23 +56,29 @@ def _token_rows(batch: StepBatch) -> tuple[Int[Array, "T"], Int[Array, "T"]]:
 
 
 def _next_in_row(
-    tokens: Int[Array, "T"], batch: StepBatch
+    tokens: Int[Array, "T"], batch: StepBatch, j: Int[Array, "T"],
+    num: Int[Array, "R"] | None = None,
 ) -> tuple[Bool[Array, "T"], Int[Array, "T"]]:
-    """Whether each token has a draft after it in its row, and that draft."""
+    """Whether each token has a draft after it in its row, and that draft (`num`: the drafts
+    each row verifies, when a draft model stopped some rows before their last slot)."""
     rows = batch.token_rows
     nxt_row = jnp.concatenate([rows[1:], jnp.full((1,), -1, rows.dtype)])
     nxt_tok = jnp.concatenate([batch.token_ids[1:], jnp.zeros((1,), tokens.dtype)])
-    return (rows >= 0) & (nxt_row == rows), nxt_tok
+    has = (rows >= 0) & (nxt_row == rows)
+    if num is not None:
+        has &= j < num[jnp.clip(rows, 0)]
+    return has, nxt_tok
 
 
 def _accepted(
-    tokens: Int[Array, "T"], batch: StepBatch, j: Int[Array, "T"]
+    tokens: Int[Array, "T"], batch: StepBatch, j: Int[Array, "T"],
+    num: Int[Array, "R"] | None = None,
 ) -> Int[Array, "R"]:
     """Per row, the tokens it may emit: the drafts that equal the sample before them, and
     the sample after the last of those (1 for a row without drafts)."""
     t, r = tokens.shape[0], batch.row_slots.shape[0]
     rows = batch.token_rows
-    has_draft, nxt_tok = _next_in_row(tokens, batch)
+    has_draft, nxt_tok = _next_in_row(tokens, batch, j, num)
     stops = (rows >= 0) & (~has_draft | (tokens != nxt_tok))  # the row's last emitted token
     first = jnp.full((r,), t, jnp.int32).at[jnp.where(rows >= 0, rows, r)].min(
         jnp.where(stops, j, t), mode="drop")
@@ -82,13 +88,13 @@ def _accepted(
 def _rejection(
     logits: Float[Array, "T V"], view: smp.SamplingState, batch: StepBatch,
     j: Int[Array, "T"], q: Float[Array, "R K V"], plain: Int[Array, "T"],
-    flags: smp.SampleFlags,
+    flags: smp.SampleFlags, num: Int[Array, "R"] | None = None,
 ) -> Int[Array, "T"]:
     """Leviathan et al.'s rule for a draft model's drafts, as the token each position
     "samples": the draft d after it where kept (with probability min(1, p(d) / q(d))),
     else a draw from max(p - q, 0) (never d). Greedy rows and each row's last token keep
     plain decoding's sample, so greedy output is plain decoding's."""
-    has_draft, d = _next_in_row(plain, batch)
+    has_draft, d = _next_in_row(plain, batch, j, num)
     row = jnp.clip(batch.token_rows, 0)
     qt = q[row, jnp.clip(j, 0, q.shape[1] - 1)]  # the distribution d was drawn from
     p = smp.distribution(logits, view, flags)
@@ -101,7 +107,7 @@ def _rejection(
 
 def _sample_tokens(
     state: EngineState, logits: Float[Array, "T V"], batch: StepBatch, flags: smp.SampleFlags,
-    q: Float[Array, "R K V"] | None,
+    q: Float[Array, "R K V"] | None, num: Int[Array, "R"] | None = None,
 ) -> tuple[smp.SampleResult, Int[Array, "T"]]:
     """Step 4: what every token samples (with q, the rejection rule's token) and its j."""
     slot, j = _token_rows(batch)
@@ -115,20 +121,20 @@ def _sample_tokens(
         return smp.sample(logits, view, flags=flags), j
     quiet = dataclasses.replace(flags, logprobs=False, num_top_logprobs=0)
     plain = smp.sample(logits, view, flags=quiet).tokens
-    return smp.with_logprobs(logits, _rejection(logits, view, batch, j, q, plain, flags),
+    return smp.with_logprobs(logits, _rejection(logits, view, batch, j, q, plain, flags, num),
                              flags), j
 
 
 def _sample_all(
     state: EngineState, logits: Float[Array, "T V"], batch: StepBatch, shape: StepShape,
-    q: Float[Array, "R K V"] | None = None,
+    q: Float[Array, "R K V"] | None = None, num: Int[Array, "R"] | None = None,
 ) -> tuple[EngineState, WindowOut]:
     """Steps 4-5: every token sampled (with a draft model's q, by the rejection rule), the
-    accepted prefix of each row cut at its stop."""
+    accepted prefix of each row cut at its stop (`num`: a draft model's drafts per row)."""
     flags, k1 = shape.flags, shape.verify
-    res, j = _sample_tokens(state, logits, batch, flags, q)
+    res, j = _sample_tokens(state, logits, batch, flags, q, num)
     active = batch.row_slots >= 0
-    emit = _accepted(res.tokens, batch, j)
+    emit = _accepted(res.tokens, batch, j, num)
     t = logits.shape[0]
     idx = jnp.clip(batch.query_start[:-1][None, :] + jnp.arange(k1)[:, None], 0, t - 1)
     tokens = res.tokens[idx]  # [K1, R]
@@ -147,7 +153,7 @@ def _sample_all(
     out = WindowOut(
         tokens, res.logprobs[idx], res.top_ids[idx], res.top_logprobs[idx], jnp.stack(valid),
         done, reason, jnp.asarray(1), jnp.asarray(True), state.pool.num_free,
-        jnp.zeros((r, 0), jnp.int32), jnp.zeros((0,), jnp.int32))
+        jnp.zeros((r, 0), jnp.int32), jnp.zeros((0,), jnp.int32), num)
     return dataclasses.replace(state, sampling=sampling), out
 
 
@@ -169,14 +175,16 @@ def verify_body(
     """Steps 1-6 (unjitted); with a draft model (`dparams`, `dbatch`) its drafts are made
     after step 2 (engine/draft.py). Not ok (the pool cannot cover it): nothing runs."""
 
-    def after(st, logits, _prompt, _hidden, b, q):
-        st, out = _sample_all(st, logits, b, shape, q)
+    def after(st, logits, _prompt, _hidden, b, drafted):  # drafted: (q, num) or None
+        st, out = _sample_all(st, logits, b, shape, *(drafted or ()))
         return _roll_back(st, b, out.valid.sum(axis=0, dtype=jnp.int32)), out
 
     prepare = None if dbatch is None else (
         lambda st, b: draft.propose(dparams, st, b, dbatch, cfg, shape))
     empty = empty_window(shape.verify, batch.row_slots.shape[0],
                          shape.flags.num_top_logprobs, False, state.pool.num_free)
+    if dbatch is not None:  # the same fields either way (a loop's carry)
+        empty = dataclasses.replace(empty, drafted=jnp.zeros_like(dbatch.num_drafts))
     return forward_if_room(params, state, batch, cfg, shape, after, empty, prepare)
 
 

@@ -56,6 +56,7 @@ class WindowOut:
     num_free: Int[Array, ""]
     full_blocks: Int[Array, "R F"]
     refcount: Int[Array, "N2"]
+    drafted: Int[Array, "R"] | None = None  # a draft model's verify: drafts each row made
     wire: Int[Array, "B"] | None = None  # every field above, packed (engine/wire.py)
 
 
