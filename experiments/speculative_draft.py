@@ -7,7 +7,7 @@ plain decoding of the 1.5B, alternating in one run.
 
 Workloads as experiments/speculative.py (chat, the issue's; code-edit beside it at batch 1),
 greedy, each request ending at EOS or --tokens, the same tokens on every side (checked).
-Prompts start at --offset (20: the side judged, "draft 3 int4", was picked in a probe on
+Prompts start at --offset (20: the side judged, "draft 4 int4", was picked in a probe on
 chat prompts 0-2 before this run, so the run does not re-use them).
 
 Sides, built once on one loaded copy of each model (engines share laid-out weights):
@@ -37,7 +37,7 @@ from experiments import common
 from experiments.speculative import bar_verdicts, cell, not_slower, plot, prompts
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
-JUDGED = "draft 3 int4"  # picked in a probe (chat prompts 0-2, 64 tokens) before this run
+JUDGED = "draft 4 int4"  # picked in a probe (chat prompts 0-2, 64 tokens, k 3-5, stop 0 / 0.2)
 TARGETS = {"chat batch 1": 1.5}  # the bar for a draft model: wall speedup over plain
 NOT_SLOWER_AT = 16
 

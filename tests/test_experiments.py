@@ -188,19 +188,19 @@ def test_speculative_draft_runs_every_side_on_the_same_tokens():
     from experiments import speculative_draft
 
     data = speculative_draft.main(["--target", "smollm2", "--draft", "smollm2", "--batches",
-                                   "1", "2", "--ks", "3", "--quantizations", "int4",
+                                   "1", "2", "--ks", "4", "--quantizations", "int4",
                                    "--tokens", "8", "--rounds", "1", "--kv-mib", "64"])
     saved = json.loads(open(data["json"]).read())
     cells = saved["cells"]
     assert set(cells) == {"chat batch 1", "code-edit batch 1", "chat batch 2"}
-    assert set(saved["ttft"]) == {"plain", "draft 3 int4"}
+    assert set(saved["ttft"]) == {"plain", speculative_draft.JUDGED}
     assert all(0 < t["seconds"] < 60 and len(t["runs"]) == 5 for t in saved["ttft"].values())
-    assert set(cells["chat batch 1"]) == {"plain", "draft 3 int4"}
+    assert set(cells["chat batch 1"]) == {"plain", speculative_draft.JUDGED}
     for cell in cells.values():
         for side in cell.values():
             assert side["tok_s"] > 0 and side["greedy_same_rounds"] == 1
             assert 1 <= side["warm_up_passes"] <= 4 and side["programs_built_timed"] >= 0
-    assert cells["chat batch 1"]["draft 3 int4"]["acceptance"] > 0
+    assert cells["chat batch 1"][speculative_draft.JUDGED]["acceptance"] > 0
     assert data["targets"]["greedy identical"]["verdict"] == "met"
     assert open(data["png"], "rb").read(4) == b"\x89PNG"
 
