@@ -22,8 +22,10 @@ prompt, greedy, LLM's defaults otherwise (vLLM's JSON whitespace rule: any betwe
                and the compiler's one-off tokenizer table (built in the background at engine
                start, engine/constraints.py)
   ttft         batch 1, max_tokens 1: unconstrained, a cached schema, a schema never seen
-               before (a new one each run), interleaved --ttft-repeats times per round (a
-               round keeps each side's median), --ttft-runs rounds; per-round differences.
+               before (a new one each run), back to back --ttft-repeats times per round;
+               each constrained run's difference from the unconstrained run beside it, a
+               round's median of them, --ttft-runs rounds; and the host's own time for a
+               new schema (compile and first mask, as the engine counts them).
 Peer: vLLM's CPU build (`make peers`; its default structured-output backend) on the same
 prompts, both its sides timed in the same rotation, its unconstrained side on its own
 constrained lengths, and the share of its constrained outputs that obey (--peer none: ours
@@ -189,16 +191,21 @@ def compile_times(tok, vocab_size: int) -> dict:
 
 
 def ttft(llm, tok, runs: int, repeats: int) -> dict:
-    """Batch 1, max_tokens 1, `runs` rounds: each round times every side `repeats` times,
-    interleaved, and keeps each side's median (one TTFT on this machine strays by tens of
-    ms; a round's median much less), then the per-round differences from unconstrained."""
+    """Batch 1, max_tokens 1, `runs` rounds of `repeats` repeats; a repeat times every side
+    once, back to back in a rotating order. A constrained side's difference is taken per
+    repeat against the unconstrained run beside it (one TTFT here strays by tens of ms, and
+    the machine drifts between repeats), and a round keeps the median of its differences.
+    Beside the wall clock, what the host spends on a new schema (compile + first mask)."""
     from paged_jax import SamplingParams
+    from paged_jax.sample.grammar import STATS
 
     ids = ids_of(tok, requests(1))[0]
     cached = TASKS[0].constraint
     sides = {"unconstrained": lambda i: None, "cached schema": lambda i: cached,
              "new schema": lambda i: {"json": fresh_schema(i)}}
     got = {n: [] for n in sides}
+    diff = {n: [] for n in sides if n != "unconstrained"}
+    host_ms = []
     fresh = iter(range(10 ** 6))  # every new-schema request gets a schema never seen before
     for i in range(runs + 1):  # the first round compiles the prefill shapes (not kept)
         one = {n: [] for n in sides}
@@ -206,18 +213,23 @@ def ttft(llm, tok, runs: int, repeats: int) -> dict:
             for n in common.rotated(list(sides), i + j):
                 sp = SamplingParams(temperature=0.0, max_tokens=1,
                                     structured_outputs=sides[n](next(fresh)))
+                before = STATS.compile_seconds + STATS.mask_seconds
                 s, _ = timed(lambda sp=sp: llm.generate([{"prompt_token_ids": ids}], sp,
                                                         use_tqdm=False))
                 one[n].append(s)
+                if i and n == "new schema":
+                    host_ms.append(1e3 * (STATS.compile_seconds + STATS.mask_seconds - before))
         if i:
             for n, v in one.items():
                 got[n].append(statistics.median(v))
+            for n in diff:
+                diff[n].append(statistics.median(
+                    1e3 * (a - b) for a, b in zip(one[n], one["unconstrained"], strict=True)))
     plain = got["unconstrained"]
-    diff = {n: [1e3 * (a - b) for a, b in zip(v, plain, strict=True)] for n, v in got.items()
-            if n != "unconstrained"}
     return dict(seconds={n: statistics.median(v) for n, v in got.items()}, runs=got,
                 repeats=repeats, added_ms={n: statistics.median(v) for n, v in diff.items()},
-                added_runs=diff,
+                added_runs=diff, new_schema_host_ms=dict(
+                    median=statistics.median(host_ms), max=max(host_ms)),
                 new_schema=common.target_verdict(diff["new schema"], NEW_SCHEMA_MS, False),
                 cached_vs_unconstrained=common.compare(plain, got["cached schema"]))
 
@@ -238,8 +250,8 @@ def parse(argv: list[str] | None):
     ap.add_argument("--variants", type=int, default=4, help="prompts per task (validity)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--ttft-runs", type=int, default=5, help="TTFT rounds")
-    ap.add_argument("--ttft-repeats", type=int, default=5,
-                    help="TTFT runs of each side per round (a round keeps their median)")
+    ap.add_argument("--ttft-repeats", type=int, default=9,
+                    help="TTFT runs of each side per round (a round keeps the median difference)")
     ap.add_argument("--kv-mib", type=int, default=1024)
     ap.add_argument("--peer", choices=["vllm", "none"], default="vllm",
                     help="vLLM's CPU build beside ours in the speed rows (`make peers`)")
@@ -295,7 +307,8 @@ def main(argv: list[str] | None = None) -> dict:
             if worker is not None:
                 worker.close()
             out["ttft"] = t = ttft(llm, tok, a.ttft_runs, a.ttft_repeats)
-            print(f"ttft: {t['seconds']}, added ms {t['added_ms']}", flush=True)
+            print(f"ttft: {t['seconds']}, added ms {t['added_ms']}, new schema's host ms "
+                  f"{t['new_schema_host_ms']}", flush=True)
         del llm, parts
         gc.collect()
     out["targets"] = targets(out)

@@ -246,8 +246,8 @@ def test_structured_outputs_measures_validity_speed_compile_and_ttft():
 
     data = structured_outputs.main(["--models", "smollm2", "--speed-model", "smollm2",
                                     "--batches", "1", "2", "--rounds", "1", "--variants", "1",
-                                    "--max-tokens", "64", "--ttft-runs", "2", "--kv-mib", "64",
-                                    "--peer", "none"])
+                                    "--max-tokens", "64", "--ttft-runs", "2", "--ttft-repeats",
+                                    "3", "--kv-mib", "64", "--peer", "none"])
     saved = json.loads(open(data["json"]).read())
     v = saved["validity"]["smollm2"]
     assert v["outputs"] == 11 and 0 <= v["valid"] <= 11
@@ -258,5 +258,8 @@ def test_structured_outputs_measures_validity_speed_compile_and_ttft():
     assert set(saved["compile"]["per_constraint_ms"]) == {t.name for t in
                                                           structured_outputs.TASKS}
     assert set(saved["ttft"]["seconds"]) == {"unconstrained", "cached schema", "new schema"}
+    assert len(saved["ttft"]["added_runs"]["new schema"]) == 2
+    assert 0 < saved["ttft"]["new_schema_host_ms"]["median"] <= saved["ttft"][
+        "new_schema_host_ms"]["max"]
     assert "valid smollm2" in saved["targets"] and "new schema <= 50 ms" in saved["targets"]
     assert open(data["png"], "rb").read(4) == b"\x89PNG"

@@ -283,10 +283,8 @@ class KVManager:
 
     def advance_draft(self, seq: Sequence, catchup: tuple[int, int], drafts: int,
                       start: int) -> None:
-        """After a verify call with a draft model (draft.py): the draft read its catch-up
-        and, if it drafted, some of its drafts 1 .. drafts - 1: at least those kept but the
-        last (a row may stop drafting early, draft.propose), so the draft reads the last
-        kept token again with the next catch-up (the same K/V, rewritten)."""
+        """After a draft model's verify call: the draft holds its catch-up and the kept drafts
+        but the last (a row may stop early): it rereads that one (catch-up is padded to 2)."""
         first, n = catchup
         seq.draft_computed = min(seq.num_computed - 1, start + drafts) if drafts else first + n
 
