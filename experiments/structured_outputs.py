@@ -30,7 +30,8 @@ Peer: vLLM's CPU build (`make peers`; its default structured-output backend) on 
 prompts, both its sides timed in the same rotation, its unconstrained side on its own
 constrained lengths, and the share of its constrained outputs that obey (--peer none: ours
 only).
-Writes results/structured_outputs.json and .png.
+Writes results/structured_outputs.json and .png (--parts, a subset of validity / speed / ttft:
+results/structured_outputs_<parts>.json).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from experiments import common
 from experiments.structured_tasks import TASKS, fresh_schema, requests
 
 BAR, NEW_SCHEMA_MS = 0.9, 50.0  # the issue's: >= 0.9x unconstrained; a new schema <= 50 ms
+PARTS = ("validity", "speed", "ttft")
 
 
 def ids_of(tok, pairs) -> list[list[int]]:
@@ -253,6 +255,8 @@ def parse(argv: list[str] | None):
     ap.add_argument("--ttft-repeats", type=int, default=9,
                     help="TTFT runs of each side per round (a round keeps the median difference)")
     ap.add_argument("--kv-mib", type=int, default=1024)
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                    help="sections to run (a subset writes structured_outputs_<parts>.json)")
     ap.add_argument("--peer", choices=["vllm", "none"], default="vllm",
                     help="vLLM's CPU build beside ours in the speed rows (`make peers`)")
     return ap.parse_args(argv)
@@ -282,30 +286,18 @@ def main(argv: list[str] | None = None) -> dict:
     a = parse(argv)
     out: dict = dict(models=a.models, speed_model=a.speed_model, batches=a.batches,
                      rounds=a.rounds, max_tokens=a.max_tokens, variants=a.variants,
-                     validity={}, speed=[])
-    for name in dict.fromkeys([a.speed_model, *a.models]):
+                     parts=a.parts, validity={}, speed=[])
+    models = a.models if "validity" in a.parts else []
+    for name in dict.fromkeys([a.speed_model, *models]):
         parts = load_model(name)
         llm, tok = make(parts, a), parts[2]
-        if name in a.models:
+        if name in models:
             out["validity"][name] = v = validity(llm, tok, a.variants, a.max_tokens)
             print(f"{name}: {v['valid']}/{v['outputs']} valid, per task {v['per_task']}",
                   flush=True)
-        if name == a.speed_model:
-            out["compile"] = compile_times(tok, parts[0].vocab_size)
-            print(f"compile: {out['compile']}", flush=True)
-            worker = peer(a, name)
-            out["peer"] = None if worker is None else dict(
-                name="vLLM (CPU build)", versions=worker.versions, settings=worker.settings)
-            for b in a.batches:
-                out["speed"].append(row := speed(llm, tok, b, a.rounds, a.max_tokens, worker))
-                print(f"batch {b}: " + ", ".join(f"{n} {v:.1f}" for n, v in
-                                                 row["tok_s"].items())
-                      + f" tok/s; constrained / unconstrained {row['ratio']} "
-                      f"({row['vs_bar']['verdict']} vs {BAR}x), mask "
-                      f"{row['mask_us_per_token']:.0f} us/token, "
-                      f"{100 * row['mask_share']:.1f}% of wall", flush=True)
-            if worker is not None:
-                worker.close()
+        if name == a.speed_model and "speed" in a.parts:
+            speed_part(llm, tok, parts[0].vocab_size, a, out)
+        if name == a.speed_model and "ttft" in a.parts:
             out["ttft"] = t = ttft(llm, tok, a.ttft_runs, a.ttft_repeats)
             print(f"ttft: {t['seconds']}, added ms {t['added_ms']}, new schema's host ms "
                   f"{t['new_schema_host_ms']}", flush=True)
@@ -314,9 +306,28 @@ def main(argv: list[str] | None = None) -> dict:
     out["targets"] = targets(out)
     for k, v in out["targets"].items():
         print(f"target {k}: {v}")
-    out["json"] = str(common.save_json("structured_outputs", out))
-    out["png"] = str(plot(out))
+    name = "structured_outputs" + ("" if set(a.parts) == set(PARTS) else "_" + "_".join(a.parts))
+    out["json"] = str(common.save_json(name, out))
+    out["png"] = str(plot(out, name)) if out["speed"] else None
     return out
+
+
+def speed_part(llm, tok, vocab_size: int, a, out: dict) -> None:
+    """Compile times, then every batch's speed row (ours and the peer's), into `out`."""
+    out["compile"] = compile_times(tok, vocab_size)
+    print(f"compile: {out['compile']}", flush=True)
+    worker = peer(a, a.speed_model)
+    out["peer"] = None if worker is None else dict(
+        name="vLLM (CPU build)", versions=worker.versions, settings=worker.settings)
+    for b in a.batches:
+        out["speed"].append(row := speed(llm, tok, b, a.rounds, a.max_tokens, worker))
+        print(f"batch {b}: " + ", ".join(f"{n} {v:.1f}" for n, v in row["tok_s"].items())
+              + f" tok/s; constrained / unconstrained {row['ratio']} "
+              f"({row['vs_bar']['verdict']} vs {BAR}x), mask "
+              f"{row['mask_us_per_token']:.0f} us/token, "
+              f"{100 * row['mask_share']:.1f}% of wall", flush=True)
+    if worker is not None:
+        worker.close()
 
 
 def targets(out: dict) -> dict:
@@ -343,7 +354,7 @@ def targets(out: dict) -> dict:
     return t
 
 
-def plot(out: dict):
+def plot(out: dict, name: str = "structured_outputs"):
     plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = range(len(out["speed"]))
@@ -355,7 +366,7 @@ def plot(out: dict):
     ax.set_xticks([x + 0.4 - w / 2 for x in xs], [f"batch {r['batch']}" for r in out["speed"]])
     ax.set_ylabel(f"output tok/s ({out['speed_model']})")
     ax.legend()
-    return common.save_plot("structured_outputs", fig)
+    return common.save_plot(name, fig)
 
 
 if __name__ == "__main__":
