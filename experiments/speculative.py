@@ -197,19 +197,20 @@ def targets(results: dict) -> dict:
         side = default if default in each else max(each, key=lambda n: cells[n]["tok_s"])
         out[f"ngram {name} >= {bar}x"] = dict(
             side=side, speedup=cells[side]["tok_s"] / cells["plain"]["tok_s"],
-            verdict=each[side], every_k=each)
+            verdict=each[side]["verdict"], per_round=each[side],
+            every_k={n: v["verdict"] for n, v in each.items()})
     return out | not_slower(results, NOT_SLOWER_AT)
 
 
-def bar_verdicts(cells: dict, bar: float) -> dict[str, str]:
+def bar_verdicts(cells: dict, bar: float) -> dict[str, dict]:
     """Each side against `bar` on its per-round speedups: a round runs every side on the
     same prompts, so run / plain's run of that round is the speedup on those prompts
     (pairing takes out what moves both: the round's prompts, how much of them a draft
     gets right, the machine's drift); "met" when their median clears the bar by more than
-    their half-range (common.target_verdict)."""
+    their half-range (common.target_verdict: the speedups, median, spread and verdict)."""
     plain = cells["plain"]["runs"]
     return {n: common.target_verdict([a / b for a, b in zip(c["runs"], plain, strict=True)],
-                                     bar)["verdict"]
+                                     bar)
             for n, c in cells.items() if n != "plain"}
 
 
@@ -224,13 +225,14 @@ def not_slower(results: dict, batch: int) -> dict:
     return out
 
 
-def retarget(path: str) -> dict:
-    """Rewrites a saved run's `targets` from its own cells with this code's rule."""
+def retarget(path: str, rule=None) -> dict:
+    """Rewrites a saved run's `targets` from its own cells with this code's `rule` (this
+    module's targets unless given)."""
     import json
     from pathlib import Path
 
     data = json.loads(Path(path).read_text())
-    data["targets"] = targets(data["cells"])
+    data["targets"] = (rule or targets)(data["cells"])
     data["retargeted"] = dict(commit=common.CODE_STATE, time=common.START)
     Path(path).write_text(json.dumps(data, indent=1, default=common._plain) + "\n")
     for name, t in data["targets"].items():

@@ -34,7 +34,7 @@ import argparse
 import gc
 
 from experiments import common
-from experiments.speculative import bar_verdicts, cell, not_slower, plot, prompts
+from experiments.speculative import bar_verdicts, cell, not_slower, plot, prompts, retarget
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 JUDGED = "draft 4 int4"  # picked in a probe (chat prompts 0-2, 64 tokens, k 3-5, stop 0 / 0.2)
@@ -90,11 +90,15 @@ def parse(argv: list[str] | None):
     ap.add_argument("--offset", type=int, default=20)
     ap.add_argument("--disable-by-batch-size", type=int, default=8)
     ap.add_argument("--kv-mib", type=int, default=256, help="each side's KV pool (MiB)")
+    ap.add_argument("--retarget", metavar="JSON", default=None,
+                    help="only recompute a saved run's targets from its cells")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     a = parse(argv)
+    if a.retarget:
+        return retarget(a.retarget, targets)
     from paged_jax.models import load_model
 
     parts, draft = load_model(a.target), load_model(a.draft)
@@ -165,8 +169,8 @@ def targets(results: dict) -> dict:
         each = bar_verdicts(cells, bar)
         out[f"draft {name} >= {bar}x"] = dict(
             side=JUDGED, speedup=cells[JUDGED]["tok_s"] / cells["plain"]["tok_s"],
-            limit=cells[JUDGED]["mean_acceptance_length"],
-            verdict=each[JUDGED], every_side=each)
+            limit=cells[JUDGED]["mean_acceptance_length"], verdict=each[JUDGED]["verdict"],
+            per_round=each[JUDGED], every_side={n: v["verdict"] for n, v in each.items()})
     return out | not_slower(results, NOT_SLOWER_AT)
 
 
