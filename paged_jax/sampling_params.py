@@ -170,7 +170,7 @@ class SamplingParams:
         self.stop = _normalise_stop(self.stop)
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = list(_check_list("stop_token_ids", self.stop_token_ids) or [])
         if isinstance(self.top_k, int) and self.top_k == -1:
             self.top_k = 0  # vLLM accepts both 0 and -1 for "off"; keep one spelling
         self._verify_args()
@@ -194,6 +194,10 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, low=1)
         _check_int("min_tokens", self.min_tokens, low=0)
+        for name in ("ignore_eos", "detokenize", "skip_special_tokens",
+                     "spaces_between_special_tokens", "include_stop_str_in_output",
+                     "return_hidden_states"):
+            _check_bool(name, getattr(self, name))
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
@@ -221,12 +225,12 @@ class SamplingParams:
                 _check_int("logit_bias", t, low=0)
                 if not math.isfinite(_check_number("logit_bias", b)):
                     raise ValueError(f"logit_bias values must be finite, got {b} for {t}.")
-        if self.allowed_token_ids is not None:
+        if _check_list("allowed_token_ids", self.allowed_token_ids) is not None:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty (None allows all).")
             for t in self.allowed_token_ids:
                 _check_int("allowed_token_ids", t, low=0)
-        if self.bad_words is not None and not all(
+        if _check_list("bad_words", self.bad_words) is not None and not all(
                 isinstance(w, str) and w.strip() for w in self.bad_words):
             raise ValueError(f"bad_words must be a list of non-empty strings, got "
                              f"{self.bad_words!r}.")
@@ -278,6 +282,9 @@ class BeamSearchParams:
       temperature: must be 0: beams are scored on unscaled log-probabilities.
       length_penalty: score = cum_logprob / len ** length_penalty.
       include_stop_str_in_output: must be False (beam search has no stop strings).
+      logit_bias, allowed_token_ids, bad_words: as in SamplingParams, applied to the logits
+        before the log-softmax the beams are scored on (vLLM's order), so `cum_logprob` and
+        the reported logprobs are those of the biased distribution.
     """
 
     beam_width: int
@@ -298,9 +305,20 @@ class BeamSearchParams:
         if self.temperature != 0.0:
             raise ValueError("temperature must be 0 for paged-jax's beam search (beams are "
                              f"scored on unscaled log-probabilities), got {self.temperature}.")
+        _check_bool("ignore_eos", self.ignore_eos)
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         if self.include_stop_str_in_output:
             raise ValueError("include_stop_str_in_output is not supported by beam search "
                              "(it has no stop strings); pass False.")
+        self.bias_params()  # SamplingParams' checks name a bad logit_bias / allowed / bad word
+
+    def bias_params(self) -> SamplingParams:
+        """Greedy SamplingParams carrying this search's logit bias, allowed ids and bad words
+        (what the engine's input checks and `bias_row` read)."""
+        return SamplingParams(temperature=0.0, max_tokens=None, detokenize=False,
+                              logit_bias=self.logit_bias,
+                              allowed_token_ids=self.allowed_token_ids,
+                              bad_words=self.bad_words)
 
 
 def _normalise_stop(stop: str | list[str] | None) -> list[str]:
@@ -308,6 +326,8 @@ def _normalise_stop(stop: str | list[str] | None) -> list[str]:
         return []
     if isinstance(stop, str):
         return [stop]
+    if not isinstance(stop, list | tuple):  # a dict or set would pass as its keys
+        raise ValueError(f"stop must be a string or a list of non-empty strings, got {stop!r}.")
     stop = list(stop)
     if not all(isinstance(s, str) and s for s in stop):
         raise ValueError(f"stop must be a string or a list of non-empty strings, got {stop!r}.")
@@ -324,6 +344,20 @@ def _check_int(name: str, value: object, low: int | None = None) -> None:
         raise ValueError(f"{name} must be an int, got {value!r}.")
     if low is not None and value < low:  # type: ignore[operator]
         raise ValueError(f"{name} must be at least {low}, got {value}.")
+
+
+def _check_bool(name: str, value: object) -> None:
+    # A truthy string ("false") or number read as a flag would silently flip it.
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}.")
+
+
+def _check_list(name: str, value: list | None) -> list | None:
+    """`value` if it is None, a list or a tuple (a str or dict would be read as its letters
+    or keys)."""
+    if value is not None and not isinstance(value, list | tuple):
+        raise ValueError(f"{name} must be a list, got {value!r}.")
+    return value
 
 
 def _check_number(name: str, value: object) -> float:

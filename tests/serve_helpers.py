@@ -8,8 +8,9 @@ from paged_jax.serve.background import Server
 from tests.engine_helpers import model
 
 MODEL = "tiny"
+# No decode_window: servers run LLM's default, async scheduling (every step delivered).
 ENGINE = dict(block_size=8, num_kv_blocks=160, max_num_seqs=8, max_num_batched_tokens=64,
-              max_model_len=256, decode_window=4, static_shapes=True)
+              max_model_len=256, static_shapes=True)
 
 
 def tiny_llm(**overrides) -> LLM:

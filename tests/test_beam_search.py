@@ -1,21 +1,27 @@
-"""Beam search: same beams as a brute-force reference; beams share blocks; nothing leaks."""
+"""Beam search: same beams as a brute-force reference (with and without a logit bias); beams
+share blocks; nothing leaks."""
 
 import numpy as np
+import pytest
 
 from paged_jax.cache.config import CacheConfig
+from paged_jax.engine import input as inp
 from paged_jax.engine.beam_search import beam_search
 from paged_jax.models.reference_loop import PagedLoop
 from paged_jax.sampling_params import BeamSearchParams
 from tests.engine_helpers import all_free, engine, model
 
 
-def reference_beams(prompt_ids, width, steps):
-    """Textbook beam search, recomputing every candidate's prefix from scratch."""
+def reference_beams(prompt_ids, width, steps, bias=None):
+    """Textbook beam search, recomputing every candidate's prefix from scratch; `bias` [V]
+    is added to the logits before the log-softmax (vLLM's order)."""
     config, params, _ = model()
 
     def logprobs(tokens):
         r = PagedLoop(config, params, CacheConfig(64, 8, 1, 32))
-        logits = r.step([tokens])[0]
+        logits = np.asarray(r.step([tokens])[0], np.float64)
+        if bias is not None:
+            logits = logits + bias
         return logits - np.logaddexp.reduce(logits)
 
     beams = [([], 0.0)]
@@ -23,8 +29,9 @@ def reference_beams(prompt_ids, width, steps):
         cands = []
         for toks, cum in beams:
             lp = logprobs(prompt_ids + toks)
-            for t in np.argsort(-lp)[: 2 * width]:
-                cands.append((toks + [int(t)], cum + float(lp[t])))
+            for t in np.argsort(-lp, kind="stable")[: 2 * width]:
+                if np.isfinite(lp[t]):
+                    cands.append((toks + [int(t)], cum + float(lp[t])))
         beams = sorted(cands, key=lambda c: -c[1])[:width]
     return beams
 
@@ -47,4 +54,47 @@ def test_beams_match_reference_and_share_blocks():
         assert np.isclose(sum(d[t].logprob for t, d in pairs), s.cum_logprob, atol=1e-4)
     independent = 3 * -(-(len(ids) + 5) // 8)
     assert peak < independent, (peak, independent)
+    assert all_free(eng) and not eng.has_unfinished()
+
+
+def test_logit_bias_allowed_ids_and_bad_words_steer_the_beams(monkeypatch):
+    """BeamSearchParams' logit_bias, allowed_token_ids and bad_words score the beams on
+    log_softmax(logits + bias), as the reference does; the plain search's beams differ, so
+    a bias the search dropped would fail here."""
+    eng = engine()
+    ids = eng.tokenizer.encode("beam me up")
+    plain = beam_search(eng, "beam me up", BeamSearchParams(3, 5, ignore_eos=True))[0]
+    letters = list(range(ord("a"), ord("z") + 1))  # the byte tokenizer: id = byte
+    top = plain.sequences[0].tokens[len(ids)]  # the plain search's favourite first token
+    allowed = [t for t in letters if t != top] + [ord(" ")]
+    bias = {ord("q"): 3.0, ord("z"): 2.5, ord(" "): -1.0}
+    banned = (ord("e"),)  # " e" is two bytes: no real bad word is one token here
+    monkeypatch.setattr(inp, "bad_word_ids", lambda sp, tok: banned)
+    params = BeamSearchParams(3, 5, ignore_eos=True, logit_bias=bias,
+                              allowed_token_ids=allowed, bad_words=["e"])
+    out, _ = beam_search(eng, "beam me up", params)
+    row = np.full(eng.model_config.vocab_size, -np.inf)
+    row[allowed] = 0.0
+    for t, b in bias.items():
+        row[t] += b
+    row[list(banned)] = -np.inf
+    got = sorted((s.tokens[len(ids):], s.cum_logprob) for s in out.sequences)
+    want = sorted(reference_beams(ids, 3, 5, row))
+    assert [g[0] for g in got] == [w[0] for w in want]
+    np.testing.assert_allclose([g[1] for g in got], [w[1] for w in want], atol=1e-4)
+    new = {t for s in out.sequences for t in s.tokens[len(ids):]}
+    assert new <= set(allowed) and not new & set(banned)
+    assert got != sorted((s.tokens[len(ids):], s.cum_logprob) for s in plain.sequences)
+    for s in out.sequences:  # reported logprobs are the biased ones the beams were ranked by
+        pairs = zip(s.tokens[len(ids):], s.logprobs, strict=True)
+        assert np.isclose(sum(d[t].logprob for t, d in pairs), s.cum_logprob, atol=1e-4)
+    assert all_free(eng) and not eng.has_unfinished()
+
+
+def test_a_bias_outside_the_vocabulary_or_an_untokenizable_bad_word_is_refused():
+    eng = engine()
+    with pytest.raises(ValueError, match="logit_bias has token id 999"):
+        beam_search(eng, "x", BeamSearchParams(2, 3, logit_bias={999: 1.0}))
+    with pytest.raises(ValueError, match="bad_words.*2 tokens"):  # bytes: " x" is two
+        beam_search(eng, "x", BeamSearchParams(2, 3, bad_words=["x"]))
     assert all_free(eng) and not eng.has_unfinished()

@@ -72,6 +72,17 @@ def test_clone_does_not_share_lists():
         (dict(temperature=0.0, n=2), "n"),
         (dict(stop=["x"], detokenize=False), "stop"),
         (dict(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
+        # wrong types that would otherwise pass as another (a dict as its keys, "no" as True)
+        (dict(stop={"a": 1}), "stop"),
+        (dict(stop=5), "stop"),
+        (dict(stop_token_ids={1: 2}), "stop_token_ids"),
+        (dict(allowed_token_ids="12"), "allowed_token_ids"),
+        (dict(bad_words="abc"), "bad_words"),
+        (dict(ignore_eos="no"), "ignore_eos"),
+        (dict(skip_special_tokens=1), "skip_special_tokens"),
+        (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output"),
+        (dict(detokenize=0), "detokenize"),
+        (dict(return_hidden_states="yes"), "return_hidden_states"),
     ],
 )
 def test_invalid_field_is_named(kwargs, field):
@@ -94,6 +105,13 @@ def test_beam_search_params():
         (dict(beam_width=2, max_tokens=8, temperature=0.5), "temperature"),
         (dict(beam_width=2, max_tokens=8, include_stop_str_in_output=True),
          "include_stop_str_in_output"),
+        (dict(beam_width=2, max_tokens=8, ignore_eos="yes"), "ignore_eos"),
+        (dict(beam_width=2, max_tokens=8, logit_bias=[1]), "logit_bias"),
+        (dict(beam_width=2, max_tokens=8, logit_bias={1: float("inf")}), "logit_bias"),
+        (dict(beam_width=2, max_tokens=8, allowed_token_ids=[]), "allowed_token_ids"),
+        (dict(beam_width=2, max_tokens=8, allowed_token_ids=[-1]), "allowed_token_ids"),
+        (dict(beam_width=2, max_tokens=8, bad_words="abc"), "bad_words"),
+        (dict(beam_width=2, max_tokens=8, bad_words=[""]), "bad_words"),
     ],
 )
 def test_beam_search_invalid_field_is_named(kwargs, field):

@@ -78,7 +78,7 @@ def test_streamed_equals_whole_and_usage_comes_last():
                                            stream_options={"include_usage": True}, **GREEDY))
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text
         assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
-        # One chunk per engine step: the prefill's token, then windows of 4 (decode_window).
+        # One chunk per engine step (async scheduling, the default: every step delivered).
         assert len([ch for ch in chunks if ch.choices]) >= 12 // 4
         chat = [{"role": "user", "content": "hi"}]
         full = c.chat.completions.create(model=MODEL, messages=chat, **GREEDY)

@@ -15,9 +15,11 @@ import numpy as np
 import openai
 import pytest
 
+from paged_jax.engine.config import scheduling
 from paged_jax.routing import features as feat
 from paged_jax.routing import head as head_lib
 from paged_jax.routing import train
+from paged_jax.serve.cli import parser
 from tests.test_models_gguf import E, hf_weights, write_gguf
 
 
@@ -77,3 +79,16 @@ def test_cli_serves_a_gguf_and_stops_gracefully(tmp_path, routed):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_scheduling_flags_default_to_what_llm_decides():
+    """No flag: LLM's defaults (async scheduling, decode_window recorded 1); --decode-window
+    alone turns async scheduling off; both together are refused, naming both."""
+    a = parser().parse_args([])
+    assert (a.decode_window, a.async_scheduling) == (None, None)
+    assert scheduling(a.decode_window, a.async_scheduling, None) == (1, True)
+    a = parser().parse_args(["--decode-window", "4"])
+    assert scheduling(a.decode_window, a.async_scheduling, None) == (4, False)
+    a = parser().parse_args(["--decode-window", "4", "--async-scheduling"])
+    with pytest.raises(ValueError, match="decode_window=4 .*async_scheduling=True"):
+        scheduling(a.decode_window, a.async_scheduling, None)

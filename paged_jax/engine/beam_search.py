@@ -7,6 +7,12 @@
       for all beams), giving every beam's next top 2W. Copy-on-write splits a shared, partly
       filled last block on its first write.
 
+A logit bias (BeamSearchParams' logit_bias, allowed_token_ids, bad_words) is applied on the
+host: with one, `compute` returns every token's raw logprob, the bias row is added and the
+row log-softmaxed again (log_softmax(logits + bias) = log_softmax(raw logprobs + bias)), so
+beams are scored exactly as vLLM's processed logits would score them; without one, only the
+top 2W come back.
+
 The host picks the tokens (a beam decision needs every beam's candidates); the device work
 goes through the engine's public seam for sequences it does not schedule:
 `Engine.compute / fork / release`. Releases and forks are queued and ride in the next
@@ -18,10 +24,13 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
+
 from paged_jax.engine import Engine
 from paged_jax.engine import input as inp
 from paged_jax.engine.sequence import Request, Sequence
 from paged_jax.outputs import BeamSearchOutput, BeamSearchSequence, Logprob
+from paged_jax.sample.state import bias_row
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 
 Top = list[tuple[int, float]]  # a beam's best next tokens: (token id, logprob), best first
@@ -44,24 +53,30 @@ def beam_search(engine: Engine, prompt, params: BeamSearchParams) -> tuple[BeamS
     if engine.has_unfinished():
         raise RuntimeError("beam_search needs an idle engine")
     text, ids = inp.prompt_ids(prompt, engine.tokenizer)
-    inp.check_fits(SamplingParams(n=params.beam_width, max_tokens=params.max_tokens,
-                                  temperature=1.0), ids, engine.config, engine.model_config)
+    biased = params.bias_params()
+    inp.check_tokenizer(biased, engine.tokenizer)
+    inp.check_fits(dataclasses.replace(biased, n=params.beam_width, max_tokens=params.max_tokens,
+                                       temperature=1.0), ids, engine.config, engine.model_config)
+    bias = None
+    if biased.has_logit_bias:  # [V], added to every beam's logits
+        banned = inp.bad_word_ids(biased, engine.tokenizer) if biased.bad_words else ()
+        bias = bias_row(biased, engine.model_config.vocab_size, banned)
     req = Request("beam-search", text, ids, SamplingParams(temperature=0.0), time.time(), 0)
     live: list[Sequence] = []
     try:
-        return _search(engine, req, params, live)
+        return _search(engine, req, params, live, bias)
     finally:
         engine.release(live)
         engine.settle()
 
 
-def _search(engine: Engine, req: Request, params: BeamSearchParams,
-            live: list[Sequence]) -> tuple[BeamSearchOutput, int]:
+def _search(engine: Engine, req: Request, params: BeamSearchParams, live: list[Sequence],
+            bias: np.ndarray | None) -> tuple[BeamSearchOutput, int]:
     w, eos = params.beam_width, set(engine.model_config.eos_token_ids)
     k = min(2 * w, engine.model_config.vocab_size)
     root = Sequence(0, list(req.prompt_token_ids), len(req.prompt_token_ids), owner=req)
     live.append(root)
-    beams, tops = [_Beam(root, [])], engine.compute([root], k)
+    beams, tops = [_Beam(root, [])], _tops(engine, [root], k, bias)
     done, peak = [], engine.kv.blocks_used()
     for step in range(params.max_tokens):
         cands = sorted(((b.cum + lp, b, t) for b, top in zip(beams, tops, strict=True)
@@ -80,9 +95,25 @@ def _search(engine: Engine, req: Request, params: BeamSearchParams,
             done += chosen
             break
         beams = _regroup(engine, chosen, live)
-        tops = engine.compute([b.seq for b in beams], k)
+        tops = _tops(engine, [b.seq for b in beams], k, bias)
         peak = max(peak, engine.kv.blocks_used())
     return _output(engine, req.prompt_token_ids, done, params), peak
+
+
+def _tops(engine: Engine, seqs: list[Sequence], k: int, bias: np.ndarray | None) -> list[Top]:
+    """Each sequence's best k next tokens under the logit bias (None: none), best first."""
+    if bias is None:
+        return engine.compute(seqs, k)
+    v = bias.shape[0]
+    out = []
+    for top in engine.compute(seqs, v):  # every token's raw logprob: the bias re-normalises
+        lp = np.full(v, -np.inf)
+        lp[[t for t, _ in top]] = [x for _, x in top]
+        lp += bias
+        lp -= np.logaddexp.reduce(lp)
+        best = np.argsort(-lp, kind="stable")[:k]  # ties: the lower id, as lax.top_k breaks them
+        out.append([(int(t), float(lp[t])) for t in best if np.isfinite(lp[t])])
+    return out
 
 
 def _regroup(engine: Engine, chosen: list[_Beam], live: list[Sequence]) -> list[_Beam]:

@@ -8,7 +8,8 @@ two models plus "auto" (each request routed by the router's head; serve/routed.p
     GET  /metrics               Prometheus text, vLLM's metric names (metrics.py)
 
 Errors carry OpenAI's body ({"error": {"message", "type", "param", "code"}}): 400 for a
-malformed or bad request (the engine's own message: prompt too long, bad sampling values),
+malformed or bad request, naming the field (fields.py: every field's JSON type; messages.py:
+chat messages; the engine's own message: prompt too long, bad sampling values),
 404 for an unknown model (as OpenAI and vLLM answer), 503 when `max_pending` requests are
 queued or running already. Streams end with "data: [DONE]"; with
 stream_options.include_usage a last chunk carries the usage, as in OpenAI's API.
@@ -31,6 +32,7 @@ from paged_jax.routing.router import RoutedLLM
 from paged_jax.serve import protocol as proto
 from paged_jax.serve import sse
 from paged_jax.serve.async_engine import AsyncEngine, QueueFull, RequestStream
+from paged_jax.serve.fields import param_of, show
 from paged_jax.serve.metrics import ServerMetrics
 from paged_jax.serve.routed import AUTO, submit_all
 
@@ -150,6 +152,8 @@ async def _body(request: Request) -> tuple[dict, Served | None]:
     if not isinstance(body, dict):
         raise proto.BadRequest("the request body must be a JSON object")
     served, name = request.app.state.models, body.get("model")
+    if name is not None and not isinstance(name, str):
+        raise proto.BadRequest(f"model must be a string, got {show(name)}", "model")
     if name == AUTO and request.app.state.router is not None:
         return body, None
     if name is None or name in served:
@@ -187,7 +191,7 @@ async def _submit(app, srv: Served | None, prompts: list, params, rid: str) -> l
         raise proto.BadRequest(str(e), status=503) from None
     except ValueError as e:  # the engine's own check: prompt too long, bad values, ...
         _close(streams)
-        raise proto.BadRequest(str(e)) from None
+        raise proto.BadRequest(str(e), param_of(str(e))) from None
     except BaseException:
         _close(streams)
         raise

@@ -34,10 +34,13 @@ def parser() -> argparse.ArgumentParser:
                          "hybrid_kv_cache: auto = with windows and no prefix caching)")
     ap.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     ap.add_argument("--swap-space", type=float, default=4, help="GiB")
-    ap.add_argument("--decode-window", type=int, default=8)
-    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--decode-window", type=int, default=None,
+                    help="decode steps per device call without async scheduling (default 8); "
+                         "given alone it turns async scheduling off")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="plan each step while the device runs the one before; every token "
-                         "streams as it is read (no decode windows)")
+                         "streams as it is read (no decode windows). Default: on, unless "
+                         "--decode-window > 1 or --speculative-config is given")
     ap.add_argument("--plan-eagerly", action="store_true",
                     help="with async scheduling, plan each step as soon as the one before is "
                          "sent (offline's order); by default a step with room for another "

@@ -11,32 +11,11 @@ import time
 import uuid
 
 from paged_jax.outputs import CompletionOutput, RequestOutput
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.sampling_params import SamplingParams, StructuredOutputsParams
+from paged_jax.serve import fields, messages
+from paged_jax.serve.fields import GUIDED, STRUCTURED
 
-
-class BadRequest(ValueError):
-    """A request the server answers with 400 (or `status`) and OpenAI's error body."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param, self.status = param, status
-
-
-# OpenAI field -> SamplingParams field, for both endpoints.
-_SAMPLING = dict(n="n", temperature="temperature", top_p="top_p", seed="seed", stop="stop",
-                 presence_penalty="presence_penalty", frequency_penalty="frequency_penalty")
-# vLLM's extra body fields, same names as SamplingParams.
-_EXTRA = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
-          "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids", "bad_words")
-# Structured outputs: OpenAI's response_format, vLLM's structured_outputs extra body field
-# and its older guided_* fields.
-_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-           "guided_grammar": "grammar"}
-_STRUCTURED = {"response_format", "structured_outputs", *_GUIDED}
-_COMMON = {"model", "stream", "stream_options", "user", "max_tokens", "logit_bias",
-           *_SAMPLING, *_EXTRA, *_STRUCTURED}
-COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+BadRequest = fields.BadRequest  # what api.py answers with OpenAI's error body
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
@@ -45,120 +24,129 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def check_fields(body: dict, allowed: set[str]) -> None:
-    """Refuses fields this server does not serve, naming them (api._body checked it is a dict)."""
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise BadRequest(f"unsupported field(s): {', '.join(unknown)}", unknown[0])
-
-
 def sampling_params(body: dict, logprobs: int | None, max_tokens: int | None = 16
                     ) -> SamplingParams:
     """SamplingParams of a request body (OpenAI's defaults: temperature 1; `max_tokens` when
-    the body has none: 16 for completions, the rest of the context for chat, as in vLLM;
-    SamplingParams' own checks name a bad value)."""
-    kw = {dst: body[src] for src, dst in _SAMPLING.items() if body.get(src) is not None}
-    kw.update({k: body[k] for k in _EXTRA if body.get(k) is not None})
-    kw["max_tokens"] = body.get("max_completion_tokens", body.get("max_tokens", max_tokens))
+    the body has none: 16 for completions, the rest of the context for chat, as in vLLM).
+    SamplingParams' own checks name a bad value; the error's `param` is that field."""
+    kw = {dst: body[src] for src, dst in fields.SAMPLING.items() if body.get(src) is not None}
+    kw.update({k: body[k] for k in fields.EXTRA if body.get(k) is not None})
+    limit = next((k for k in ("max_completion_tokens", "max_tokens")
+                  if body.get(k) is not None), None)
+    kw["max_tokens"] = body[limit] if limit else max_tokens
     if body.get("logit_bias"):
-        try:
-            kw["logit_bias"] = {int(k): float(v) for k, v in body["logit_bias"].items()}
-        except (TypeError, ValueError, AttributeError) as e:
-            raise BadRequest(f"logit_bias must map token ids to numbers: {e}",
-                             "logit_bias") from None
+        kw["logit_bias"] = fields.logit_bias(body["logit_bias"])
     if (constraint := structured_outputs(body)) is not None:
         kw["structured_outputs"] = constraint
     try:
         return SamplingParams(**kw, logprobs=logprobs)
     except (TypeError, ValueError) as e:
-        raise BadRequest(str(e)) from None
+        name = str(e).split(" ", 1)[0].split(".", 1)[0].split("=", 1)[0]
+        param = {"max_tokens": limit, "logprobs": "top_logprobs" if "top_logprobs" in body
+                 else "logprobs"}.get(name) or name
+        # the body's own name for the field (max_completion_tokens for SamplingParams' max_tokens)
+        raise BadRequest(str(e).replace(name, param, 1),
+                         param if param in body else None) from None
 
 
-def structured_outputs(body: dict) -> dict | None:
-    """The body's output constraint as StructuredOutputsParams fields (None: none), from at
-    most one of response_format, structured_outputs and the guided_* fields."""
-    given = sorted(k for k in _STRUCTURED if body.get(k) is not None
+def structured_outputs(body: dict) -> StructuredOutputsParams | None:
+    """The body's output constraint (None: none), from at most one of response_format,
+    structured_outputs and the guided_* fields; a bad one is refused naming its field."""
+    given = sorted(k for k in STRUCTURED if body.get(k) is not None
                    and body.get(k) != {"type": "text"})
     if len(given) > 1:
         raise BadRequest(f"give one output constraint, not {', '.join(given)}", given[1])
     if not given:
         return None
     name, value = given[0], body[given[0]]
-    if name in _GUIDED:
-        return {_GUIDED[name]: value}
-    if name == "structured_outputs":
-        if not isinstance(value, dict):
-            raise BadRequest("structured_outputs must be an object", name)
-        return value
-    return response_format(value)
+    if name in GUIDED:
+        value = {GUIDED[name]: value}
+    elif name == "response_format":
+        value = response_format(value)
+    try:
+        return StructuredOutputsParams.of(value)
+    except ValueError as e:
+        raise BadRequest(str(e) if str(e).startswith(name) else f"{name}: {e}", name) from None
 
 
-def response_format(value) -> dict:
-    """OpenAI's response_format: {"type": "json_object"} or {"type": "json_schema",
-    "json_schema": {"name": ..., "schema": {...}, "strict": ...}}."""
-    kind = value.get("type") if isinstance(value, dict) else None
+JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+
+
+def response_format(value: dict) -> dict:
+    """OpenAI's response_format as StructuredOutputsParams fields: {"type": "json_object"},
+    or {"type": "json_schema", "json_schema": {"name", "schema", "description", "strict"}}.
+
+    The schema is always enforced (every token is masked to what it can continue with):
+    strict=true asks for exactly that; strict=false (or absent) lets OpenAI treat the schema
+    as a hint, and an enforced schema is a valid answer to a hint, so both are served alike,
+    as vLLM serves them. A non-boolean strict, or any other key, is refused."""
+    kind = value.get("type")
+    extra = sorted(set(value) - {"type", "json_schema"})
+    if kind not in ("json_object", "json_schema") or extra or (
+            kind == "json_object" and "json_schema" in value):
+        raise BadRequest(f"response_format must be {{\"type\": \"text\"}}, {{\"type\": "
+                         f"\"json_object\"}} or {{\"type\": \"json_schema\", \"json_schema\": "
+                         f"{{...}}}}, got {fields.show(value)}", "response_format")
     if kind == "json_object":
         return {"json_object": True}
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-            raise BadRequest("response_format json_schema needs json_schema.schema, a JSON "
-                             "schema object", "response_format")
-        return {"json": spec["schema"]}
-    raise BadRequest(f"response_format type must be text, json_object or json_schema, got "
-                     f"{kind!r}", "response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise BadRequest("response_format json_schema needs json_schema.schema, a JSON "
+                         "schema object", "response_format")
+    if extra := sorted(set(spec) - JSON_SCHEMA_KEYS):
+        raise BadRequest(f"response_format.json_schema has unsupported key(s) "
+                         f"{', '.join(extra)}", "response_format")
+    for key, kind_ok in (("name", str), ("description", str), ("strict", bool)):
+        if spec.get(key) is not None and not isinstance(spec[key], kind_ok):
+            raise BadRequest(f"response_format.json_schema.{key} must be a "
+                             f"{'boolean' if kind_ok is bool else 'string'}, got "
+                             f"{fields.show(spec[key])}", "response_format")
+    return {"json": spec["schema"]}
 
 
 def completion_request(body: dict) -> tuple[list, SamplingParams]:
     """(prompts, params) of a /v1/completions body; a prompt is text or token ids."""
-    check_fields(body, COMPLETION_FIELDS)
+    fields.check_body(body, fields.COMPLETION_FIELDS, fields.COMPLETION_TYPES)
     if body.get("echo"):
         raise BadRequest("echo is not supported", "echo")
     if body.get("suffix"):
         raise BadRequest("suffix is not supported", "suffix")
-    if body.get("best_of") not in (None, body.get("n", 1)):
+    if body.get("best_of") not in (None, body.get("n") or 1):
         raise BadRequest("best_of must equal n (beam-style best_of is not supported)",
                          "best_of")
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                   and all(isinstance(t, int) for t in prompt)):
+    return _prompts(body.get("prompt")), sampling_params(body, body.get("logprobs"))
+
+
+def _prompts(prompt: object) -> list:
+    """A completions `prompt` as the engine's prompts (text, or {"prompt_token_ids": ...};
+    ids past the vocabulary are the engine's check)."""
+    def ids(p: object) -> bool:
+        return isinstance(p, list) and bool(p) and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p)
+
+    if isinstance(prompt, str) or ids(prompt):
         prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(
-            isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p))
-            for p in prompt):
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or ids(p)
+                                                     for p in prompt):
         prompts = list(prompt)
     else:
-        raise BadRequest("prompt must be a string, a list of token ids, or a list of either",
-                         "prompt")
-    prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
-    return prompts, sampling_params(body, body.get("logprobs"))
+        raise BadRequest(f"prompt must be a string, a list of token ids, or a list of either, "
+                         f"got {fields.show(prompt)}", "prompt")
+    return [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
 
 
 def chat_request(body: dict, tokenizer) -> tuple[str, SamplingParams]:
-    """(rendered prompt, params) of a /v1/chat/completions body."""
-    check_fields(body, CHAT_FIELDS)
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("messages must be a non-empty list", "messages")
-    flat = []
-    for m in msgs:
-        if not isinstance(m, dict) or "role" not in m:
-            raise BadRequest("each message needs a role and content", "messages")
-        content = m.get("content") or ""
-        if isinstance(content, list):  # content parts: only text is served
-            if any(p.get("type") != "text" for p in content):
-                raise BadRequest("only text content parts are supported", "messages")
-            content = "".join(p.get("text", "") for p in content)
-        flat.append({"role": m["role"], "content": content})
-    try:
-        prompt = tokenizer.apply_chat_template(flat, add_generation_prompt=True)
-    except ValueError as e:
-        raise BadRequest(str(e), "messages") from None
+    """(rendered prompt, params) of a /v1/chat/completions body (messages.py: what each
+    message may hold and how it reaches the chat template)."""
+    fields.check_body(body, fields.CHAT_FIELDS, fields.CHAT_TYPES)
+    if body.get("messages") is None:
+        raise BadRequest("messages must be a non-empty list of messages", "messages")
     top = body.get("top_logprobs")
-    logprobs = (top or 0) if body.get("logprobs") else None
-    if top and not body.get("logprobs"):
+    if top is not None and not body.get("logprobs"):
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-    return prompt, sampling_params(body, logprobs, max_tokens=None)
+    logprobs = (top or 0) if body.get("logprobs") else None
+    params = sampling_params(body, logprobs, max_tokens=None)
+    return messages.render(body["messages"], tokenizer), params
 
 
 # ---- responses ---------------------------------------------------------------------------
