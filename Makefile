@@ -102,9 +102,12 @@ notebooks: $(STAMP)
 	$(VPY) -m pip install -q -e '.[notebook]'
 	$(VPY) -m jupyter lab notebooks
 
-# Runs on a GPU machine with its own python3 (jax with CUDA); never uses .venv.
+# On a machine with one NVIDIA GPU and its own python3 (jax with CUDA, numpy, jaxtyping; no
+# install step, never .venv): the kernels checked and timed beside JAX's own paged attention,
+# and the engine's tokens and roofline, in under 8 minutes -> gpu_check.json + .png under
+# $(OUT) when set, else results/. GPU_CHECK_ARGS="--only grid ragged" reruns some parts.
 gpu-check:
-	PYTHONPATH=$(CURDIR) python3 -m kernels.gpu_check
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) python3 -m experiments.gpu_check $(GPU_CHECK_ARGS)
 
 # Kernels and the whole engine on one NVIDIA GPU in under 5 minutes -> results/gpu_bench.json
 # + .png. CUDA JAX is installed only where an NVIDIA driver is present and jax sees no GPU;

@@ -34,12 +34,19 @@
 
 #include "xla/ffi/api/ffi.h"
 
+// libmvec's vector expf (_ZGV*_expf), which glibc's <math.h> declares only when the whole of
+// -ffast-math is on: the build keeps NaN and Inf (-fno-finite-math-only, kernels/cpp_build.py),
+// and libmvec gives them as expf does (exp(NaN) = NaN, exp(-Inf) = 0).
+#if defined(__x86_64__) && defined(__GLIBC__) && !defined(__FAST_MATH__)
+extern "C" float expf(float) noexcept __attribute__((__simd__("notinbranch")));
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
 
-// Finite stand-in for -inf: the library is built with -ffast-math (vectorized exp), which
-// assumes no infinities; exp(kNoScore - score) is 0 for any real score.
+// The running max before any score: exp(kNoScore - score) is 0 for any real score, where
+// -inf would give exp(-inf - -inf) = NaN on a query's first page.
 constexpr float kNoScore = -1e30f;
 
 inline float to_f32(float x) { return x; }
@@ -139,7 +146,12 @@ void attend(const Problem& pb, const T* q, const KT* k, const KT* v, Scales scal
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t g = 0; g < G; ++g) {
       const T* src = q + ((q0 + i) * pb.num_q_heads + h * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) qv[(i * G + g) * D + d] = to_f32(src[d]) * pb.scale;
+      float* row = qv + (i * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) row[d] = to_f32(src[d]) * pb.scale;
+      // A NaN or Inf in q: every score NaN, so the output is NaN, as the float64 softmax's
+      // (Inf - Inf); an Inf alone would give -Inf scores, which kNoScore turns into zeros.
+      if (!std::all_of(row, row + D, [](float x) { return std::isfinite(x); }))
+        std::fill(row, row + D, NAN);
     }
   const int64_t first_pos = len - nq;  // position of query 0
   const int64_t pages = (len + K - 1) / K;
@@ -194,7 +206,8 @@ void attend(const Problem& pb, const T* q, const KT* k, const KT* v, Scales scal
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = i * G + g;
-      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+      // l = 0: the query saw no key (zeros); a NaN l (a NaN or Inf in q) stays NaN.
+      const float inv = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
       T* dst = out + ((q0 + i) * pb.num_q_heads + h * G + g) * D;
       for (int64_t d = 0; d < D; ++d) from_f32(acc[r * D + d] * inv, dst + d);
     }
@@ -225,16 +238,31 @@ void run_tasks(ffi::ThreadPool& pool, const Problem& pb, const T* q, const KT* k
   }  // the last tasks finish on other threads within microseconds
 }
 
+// q, out [T, Q, D]; k, v [H, N, K, D] (H dividing Q, N > 0); tables [S, P]; lens [S];
+// starts [S + 1]: the kernel reads nothing outside these.
+bool consistent(ffi::AnyBuffer& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
+                ffi::Buffer<ffi::S32>& tables, ffi::Buffer<ffi::S32>& lens,
+                ffi::Buffer<ffi::S32>& starts, ffi::AnyBuffer& out) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), td = tables.dimensions();
+  auto od = out.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2) return false;
+  const bool same_kv = std::equal(kd.begin(), kd.end(), vd.begin(), vd.end());
+  const bool same_out = std::equal(qd.begin(), qd.end(), od.begin(), od.end());
+  return same_kv && same_out && kd[0] > 0 && kd[1] > 0 && qd[1] % kd[0] == 0 &&
+         kd[3] == qd[2] && int64_t(lens.element_count()) >= td[0] &&
+         int64_t(starts.element_count()) > td[0];
+}
+
 template <typename T, typename KT>
 ffi::Error launch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                   Scales scales, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
                   ffi::Buffer<ffi::S32> starts, float scale, int32_t window,
                   ffi::Result<ffi::AnyBuffer> out) {
   auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
+  if (!consistent(q, k, v, tables, lens, starts, *out))
+    return ffi::Error::InvalidArgument("paged attention: inconsistent q / k / v / table shapes");
   Problem pb{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[0], td[1],
              tables.typed_data(), lens.typed_data(), starts.typed_data(), scale, window};
-  if (pb.num_kv_heads <= 0 || pb.num_q_heads % pb.num_kv_heads != 0 || kd[3] != pb.head_dim)
-    return ffi::Error::InvalidArgument("paged attention: inconsistent q / k shapes");
   T* o = static_cast<T*>(out->untyped_data());
   std::memset(o, 0, out->size_bytes());  // padding tokens and empty rows read zeros
   run_tasks(pool, pb, static_cast<const T*>(q.untyped_data()),
@@ -305,9 +333,10 @@ ffi::Error dispatch_quant(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
                           int32_t window, int32_t e5m2, ffi::Result<ffi::AnyBuffer> out) {
   if (k.element_type() != v.element_type() || out->element_type() != q.element_type())
     return ffi::Error::InvalidArgument("paged attention: k / v and q / out must share dtypes");
-  auto sd = k_scale.dimensions(), kd = k.dimensions();
+  auto sd = k_scale.dimensions(), kd = k.dimensions(), vsd = v_scale.dimensions();
   if (sd.size() != 4 || kd.size() != 4 || sd[3] <= 0 || kd[3] % sd[3] != 0 ||
-      v_scale.dimensions().size() != 4 || v_scale.dimensions()[3] != sd[3])
+      !std::equal(sd.begin(), sd.begin() + 3, kd.begin()) ||
+      !std::equal(sd.begin(), sd.end(), vsd.begin(), vsd.end()))
     return ffi::Error::InvalidArgument(
         "paged attention: scales must be [H, N, K, Z] with Z dividing head_dim");
   const Scales sc{k_scale.typed_data(), v_scale.typed_data(), sd[3]};

@@ -11,7 +11,8 @@
 
 Same contract as `paged_jax.models.attention.paged_attention` (ragged rows, causal, zeros for
 padding tokens). The shared library is compiled on first use with the machine's g++
-(kernels/cpp_build.py). `python -m kernels.cpu_attention` builds it, checks it against the
+(kernels/cpp_build.py), for the ISA `$PAGED_JAX_CPU_ISA` names (native by default; `isa=`
+picks another build). `python -m kernels.cpu_attention` builds it, checks it against the
 reference, and times both.
 """
 
@@ -32,27 +33,34 @@ TARGET = "paged_jax_cpu_paged_attention"
 TARGET_QUANT = "paged_jax_cpu_paged_attention_quant"  # int8 / fp8 pages + f32 scales
 
 
+def load(folder: str, isa: str | None = None) -> bool:
+    """Builds (if needed) and registers the kernel for an ISA (cpp_build.isa: `isa`, else
+    `$PAGED_JAX_CPU_ISA`, else native) with XLA; False when it cannot be built."""
+    return _load(folder, cpp_build.isa(isa))
+
+
 @functools.cache
-def load(folder: str) -> bool:
-    """Builds (if needed) and registers the kernel with XLA; False when it cannot be built."""
+def _load(folder: str, isa: str) -> bool:
     return cpp_build.load(SOURCE, Path(folder), "CPU attention kernel", "the jnp reference",
-                          {TARGET: "PagedAttention", TARGET_QUANT: "PagedAttentionQuant"})
+                          {TARGET: "PagedAttention", TARGET_QUANT: "PagedAttentionQuant"}, isa)
 
 
 def paged_attention(q, k_pages: PagesLike, v_pages: PagesLike, block_tables, seq_lens,
-                    query_start, *, scale: float, window: int | None = None):
-    """The kernel on one layer (call `load` first); shapes as in paged_jax.models.attention. Pages
-    are read as stored (kernels/pages.py): float32 / bfloat16, or int8 / fp8 with group
-    scales, bfloat16 and fp8 possibly as their bits; never cast or copied here. `window`: a
-    query sees only its last `window` keys (sliding-window layers); pages before every
-    query's window are skipped."""
+                    query_start, *, scale: float, window: int | None = None,
+                    isa: str | None = None):
+    """The kernel on one layer, `isa`'s build (call `load` first); shapes as in
+    paged_jax.models.attention. Pages are read as stored (kernels/pages.py): float32 /
+    bfloat16, or int8 / fp8 with group scales, bfloat16 and fp8 possibly as their bits; never
+    cast or copied here. `window`: a query sees only its last `window` keys (sliding-window
+    layers); pages before every query's window are skipped. A NaN or Inf in a query gives
+    NaN (or Inf) in that query's output only."""
     k_pages, v_pages = as_pages(k_pages), as_pages(v_pages)
     dtype = q.dtype if q.dtype in (jnp.float32, jnp.bfloat16) else jnp.float32
     ints = [x.astype(jnp.int32) for x in (block_tables, seq_lens, query_start)]
     out_shape = jax.ShapeDtypeStruct(q.shape, dtype)
     kv = k_pages.dtype
     if k_pages.scale is not None:
-        call = jax.ffi.ffi_call(TARGET_QUANT, out_shape)
+        call = jax.ffi.ffi_call(cpp_build.target(TARGET_QUANT, isa), out_shape)
         out = call(q.astype(dtype), k_pages.values, v_pages.values,
                    k_pages.scale.astype(jnp.float32), v_pages.scale.astype(jnp.float32), *ints,
                    scale=np.float32(scale), window=np.int32(window or 0),
@@ -60,7 +68,7 @@ def paged_attention(q, k_pages: PagesLike, v_pages: PagesLike, block_tables, seq
     else:
         cast = (lambda x: x) if kv in (jnp.float32, jnp.bfloat16) else (  # noqa: E731
             lambda x: x.astype(jnp.float32))  # e.g. float16 pages: the kernel reads f32 / bf16
-        out = jax.ffi.ffi_call(TARGET, out_shape)(
+        out = jax.ffi.ffi_call(cpp_build.target(TARGET, isa), out_shape)(
             q.astype(dtype), cast(k_pages.values), cast(v_pages.values), *ints,
             scale=np.float32(scale), window=np.int32(window or 0))
     return out.astype(q.dtype)

@@ -26,8 +26,9 @@
 // every row; a single row (batch-1 decode) widens the codes in registers.
 //
 // Written with GCC vector extensions: the same source builds wherever g++ does, and on x86
-// with -march=native compiles to AVX2 / AVX-512VL FMAs. The integer dot products use AVX2 /
-// AVX-VNNI intrinsics (elsewhere int4 takes the float path).
+// compiles to the FMAs of the ISA it is built for (kernels/cpp_build.py: native, x86-64-v3 =
+// AVX2, x86-64-v2 = SSE4.2). The integer dot products use AVX2 / AVX-VNNI intrinsics
+// (elsewhere int4 takes the float path); `PagedJaxIsaPaths` says which paths a build holds.
 
 #include <algorithm>
 #include <atomic>
@@ -59,6 +60,7 @@ inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 inline void store(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
 
 #include "cpu_matmul_quant.h"  // int8 / int4 panels, activations quantized per group
+#include "cpu_matmul_bf16.h"   // bfloat16 panels
 
 // y[0..mr, 0..cols) = x[0..mr, :] . panel, for mr <= kMR rows and cols <= kNR columns. The
 // accumulators are named variables: GCC keeps an array of vectors in memory (a store per FMA).
@@ -201,6 +203,12 @@ struct Problem {
   int64_t group;
   float* y;
   int64_t panels_per_task, panel_tasks;
+  bool bf16 = false;             // bfloat16 panels (cpu_matmul_bf16.h)
+  const uint32_t* xb = nullptr;  // x as bfloat16 pairs (AVX-512 BF16, two rows or more)
+
+  const uint16_t* bf16_panel(int64_t p) const {
+    return static_cast<const uint16_t*>(panels) + p * K * kNR;
+  }
 
   // Panel p's int4 group parameters.
   Int4Params int4(int64_t p) const {
@@ -214,6 +222,11 @@ struct Problem {
 
   // Panel p as float32: in place, or int8 / int4 decoded into `buf` ([K, 16]).
   const float* panel(int64_t p, std::vector<float>& buf) const {
+    if (bf16) {
+      buf.resize(K * kNR);
+      decode_panel_bf16(bf16_panel(p), K, buf.data());
+      return buf.data();
+    }
     if (scales == nullptr) return static_cast<const float*>(panels) + p * K * kNR;
     buf.resize(K * kNR);
     if (mins == nullptr)
@@ -270,6 +283,18 @@ void run_task(const Problem& pb, int64_t t, std::vector<float>& buf, std::vector
       row_float(pb, p, cols);  // one row: the codes widened in registers
       continue;
     }
+    if (pb.bf16 && pb.M == 1) {  // one row: bfloat16 widened in registers
+      micro_row_bf16(pb.x, pb.K, pb.bf16_panel(p), pb.y + p * kNR, cols);
+      continue;
+    }
+    if (pb.xb != nullptr && p + 1 < p1) {  // AVX-512 BF16 dot products, two panels
+      const int64_t cols_b = std::min(kNR, pb.N - (p + 1) * kNR);
+      for (int64_t m = m0; m < m1; m += kMR)
+        rows_pair_bf16(std::min(kMR, m1 - m), pb.xb + m * (pb.K / 2), pb.K, pb.bf16_panel(p),
+                       pb.bf16_panel(p + 1), pb.y + m * pb.N + p * kNR, pb.N, cols_b);
+      ++p;
+      continue;
+    }
     const float* panel = pb.panel(p, buf);
     if (kPanelPairs && pb.M > 1 && p + 1 < p1) {  // two panels at a time (AVX-512)
       const float* next = pb.panel(p + 1, buf2);
@@ -301,9 +326,15 @@ void run(ffi::ThreadPool& pool, Problem pb) {
     Problem pb;
     QuantRows xq;
     std::vector<float> xsum;
+    std::vector<uint32_t> xb;
+    std::vector<float> xr;
   };
   auto shared = std::make_shared<Shared>();
-  if (pb.quantize_x && pb.K % kGX == 0) {  // every path multiplies x quantized
+  if (pb.bf16) {  // x rounded to bfloat16 once, on every path alike (batch-invariant sums)
+    round_rows_bf16(pb.x, pb.M, pb.K, shared->xb, shared->xr);
+    pb.x = shared->xr.data();
+    if (kBf16Dot && pb.M > 1) pb.xb = shared->xb.data();
+  } else if (pb.quantize_x && pb.K % kGX == 0) {  // every path multiplies x quantized
     // The integer path reads the codes; only the float fallback needs them dequantized.
     shared->xq.set(pb.x, pb.M, pb.K, !kIntegerRow);
     pb.xq = &shared->xq;
@@ -367,9 +398,22 @@ ffi::Error packed_matmul_int8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   Problem pb;
   if (!problem(x, panels.typed_data(), panels.dimensions(), y, pb))
     return ffi::Error::InvalidArgument(kShapes);
-  if (!group_of(scales.dimensions(), pb))
-    return ffi::Error::InvalidArgument("packed int8 matmul: scales must be [P, K / G, 16]");
+  if (!group_of(scales.dimensions(), pb) || pb.group % 4 != 0)  // blocks of 4 k per group
+    return ffi::Error::InvalidArgument(
+        "packed int8 matmul: scales must be [P, K / G, 16], G a multiple of 4");
   pb.scales = scales.untyped_data();
+  run(pool, pb);
+  return ffi::Error::Success();
+}
+
+ffi::Error packed_matmul_bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                              ffi::Buffer<ffi::U16> panels, ffi::ResultBuffer<ffi::F32> y) {
+  Problem pb;
+  if (!problem(x, panels.typed_data(), panels.dimensions(), y, pb) || pb.K % 2 != 0)
+    return ffi::Error::InvalidArgument(
+        "packed bfloat16 matmul: expected x [M, K], panels [ceil(N / 16), K, 16] (K even) "
+        "and y [M, N]");
+  pb.bf16 = true;
   run(pool, pb);
   return ffi::Error::Success();
 }
@@ -425,11 +469,43 @@ ffi::Error packed_matmul_int4_coded(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
 
 }  // namespace
 
+// The ISA-specific paths this build compiled, one bit each (tests/test_cpu_isa.py checks that
+// each ISA of kernels/cpp_build.py really selects its own).
+extern "C" uint32_t PagedJaxIsaPaths() {
+  uint32_t paths = 0;
+#ifdef __AVX512F__
+  paths |= 1;  // two panels at a time, 16-float vectors
+#endif
+#ifdef __AVX2__
+  paths |= 2;  // integer int4 rows, vector rounding and byte widening
+#endif
+#ifdef __F16C__
+  paths |= 4;  // float16 scales converted in hardware
+#endif
+#ifdef __AVXVNNI__
+  paths |= 8;  // vpdpbusd dot products
+#endif
+#ifdef __FMA__
+  paths |= 16;  // fused multiply-adds
+#endif
+#ifdef __AVX512BF16__
+  paths |= 32;  // vdpbf16ps bfloat16 dot products
+#endif
+  return paths;
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmul, packed_matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // panels [P, K, 16]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulBf16, packed_matmul_bf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U16>>()   // panels [P, K, 16] bf16 bits
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulInt8, packed_matmul_int8,

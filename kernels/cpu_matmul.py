@@ -31,6 +31,10 @@ Int4 (`pack(w, "int4")`, W4A8): asymmetric 4-bit codes per 32 inputs on each gro
 GGUF's Q4_K). Against int4 weights the kernel quantizes x per row and 32 inputs to int8
 (`quantized_rows`, as llama.cpp quantizes activations to Q8): one row (batch-1 decode) then
 runs integer dot products on the codes, several rows the float micro-kernel on decoded panels.
+
+The library is built for the ISA that `$PAGED_JAX_CPU_ISA` names (kernels/cpp_build.py: native,
+or the portable x86-64-v3 / x86-64-v2 whose AVX2 / scalar paths the tests also run);
+`load(folder, isa)` and `matmul(..., isa=)` pick one explicitly.
 """
 
 from __future__ import annotations
@@ -50,9 +54,10 @@ TARGET = "paged_jax_cpu_packed_matmul"
 TARGET_INT8 = "paged_jax_cpu_packed_matmul_int8"
 TARGET_INT4 = "paged_jax_cpu_packed_matmul_int4"
 TARGET_INT4_CODED = "paged_jax_cpu_packed_matmul_int4_coded"
+TARGET_BF16 = "paged_jax_cpu_packed_matmul_bf16"
 NR = 16  # output columns per panel (cpu_matmul.cc's kNR)
 GROUP = weight_codes.GROUP  # inputs per scale (GGUF's Q4 block): never straddles a TP shard of 32
-WEIGHT_TYPES = ("float32", "int8", "int4")
+WEIGHT_TYPES = ("float32", "bfloat16", "int8", "int4")
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -60,8 +65,9 @@ WEIGHT_TYPES = ("float32", "int8", "int4")
                    meta_fields=["n", "quantize_x"])
 @dataclasses.dataclass(frozen=True)
 class Packed:
-    """A [n, K] weight packed for `matmul`: panels [ceil(n / 16), K, 16], float32 or int8
-    (blocks of 4 k) with float16 scales [ceil(n / 16), K / G, 16]; or int4, panels
+    """A [n, K] weight packed for `matmul`: panels [ceil(n / 16), K, 16], float32, bfloat16
+    bits (uint16, pairs of k interleaved: cpu_matmul_bf16.h) or int8 (blocks of 4 k) with
+    float16 scales [ceil(n / 16), K / G, 16]; or int4, panels
     [ceil(n / 16), K, 8] of two codes a byte (blocks of 8 k) with float16 scales and mins
     [ceil(n / 16), K / 32, 16], or (two-level) uint8 scale codes and int8 min codes of that
     shape and float16 units `supers` [ceil(n / 16), K / (32 S), 2, 16]. `quantize_x`: the
@@ -102,6 +108,8 @@ def pack(w, weights: str = "float32", device=None, keep_grid: bool = True,
     put = functools.partial(jax.device_put, device=device)
     if weights == "float32":
         return Packed(put(np.ascontiguousarray(panels)), n)
+    if weights == "bfloat16":
+        return Packed(put(_bf16_pairs(panels)), n)
     if weights == "int4":
         s = per_super or weight_codes.per_super(k // GROUP)
         return Packed(*_pack_int4(panels, n, put, coded=s), quantize_x=True)
@@ -114,6 +122,24 @@ def pack(w, weights: str = "float32", device=None, keep_grid: bool = True,
     q = q.reshape(p, k // 4, 4, NR)
     q = np.ascontiguousarray(q.transpose(0, 1, 3, 2)).reshape(p, k, NR)  # blocks of 4 k
     return Packed(put(q), n, put(scales))
+
+
+def _bf16_pairs(panels: np.ndarray) -> np.ndarray:
+    """Float [P, K, 16] panels as bfloat16 bits (round to nearest even), each pair of k of a
+    column side by side: memory [P, K / 2, 16, 2], returned as [P, K, 16] uint16."""
+    p, k, _ = panels.shape
+    if k % 2:
+        raise ValueError(f"bfloat16 weights need an even input width, got {k}")
+    bits = np.asarray(jnp.asarray(panels, jnp.bfloat16)).view(np.uint16)
+    return np.ascontiguousarray(bits.reshape(p, k // 2, 2, NR).transpose(0, 1, 3, 2)
+                                ).reshape(p, k, NR)
+
+
+def _bf16_panels(panels: jax.Array) -> jax.Array:
+    """bfloat16 pair panels (uint16 [P, K, 16]) back to float32 [P, K, 16] in k order."""
+    p, k, _ = panels.shape
+    pairs = panels.reshape(p, k // 2, NR, 2).transpose(0, 1, 3, 2).reshape(p, k, NR)
+    return jax.lax.bitcast_convert_type(pairs, jnp.bfloat16).astype(jnp.float32)
 
 
 def _on_grid(panels: np.ndarray, chunk: int = 256) -> bool:
@@ -184,7 +210,10 @@ def group_params(scales: jax.Array, mins: jax.Array, supers: jax.Array | None
 
 
 def _panels_f32(w: Packed) -> jax.Array:
-    """The panels as float32 [P, K, 16] (int8 ones times their scales; int4 ones decoded)."""
+    """The panels as float32 [P, K, 16] (bfloat16 widened; int8 ones times their scales;
+    int4 ones decoded)."""
+    if w.panels.dtype == jnp.uint16:
+        return _bf16_panels(w.panels)
     if w.scales is None:
         return w.panels
     p, k, _ = w.panels.shape
@@ -199,8 +228,9 @@ def _panels_f32(w: Packed) -> jax.Array:
 
 def quantized_rows(x: np.ndarray) -> np.ndarray:
     """x [M, K] as the kernel multiplies it against int8 / int4 weights (numpy, float32):
-    int8 codes per group of 32 inputs, round to nearest even, times the group's max |x| / 127.
-    (Int8 weights with K not a multiple of 32 keep x as it is.)"""
+    int8 codes per group of 32 inputs, round to nearest even, times the group's max |x| / 127;
+    a group holding a NaN or Inf comes out NaN, as the kernel's (and numpy warns). (Int8
+    weights with K not a multiple of 32 keep x as it is.)"""
     x = np.asarray(x, np.float32)
     g = x.reshape(x.shape[0], -1, 32)
     amax = np.abs(g).max(-1, keepdims=True)
@@ -220,6 +250,10 @@ def rows(w: Packed | jax.Array, ids: jax.Array) -> jax.Array:
     if not isinstance(w, Packed):
         return w[ids]
     p, c = ids // NR, ids % NR
+    if w.panels.dtype == jnp.uint16:  # pairs of k: [P, K / 2, 16, 2]
+        k = w.panels.shape[1]
+        bits = w.panels.reshape(-1, k // 2, NR, 2)[p, :, c].reshape(-1, k)
+        return jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)
     if w.scales is None:
         return w.panels[p, :, c]
     k = w.panels.shape[1]
@@ -235,32 +269,55 @@ def rows(w: Packed | jax.Array, ids: jax.Array) -> jax.Array:
     return q * jnp.repeat(scale, g, axis=1) + jnp.repeat(lo, g, axis=1)
 
 
+def load(folder: str, isa: str | None = None) -> bool:
+    """Builds (if needed) and registers the kernel for an ISA (cpp_build.isa: `isa`, else
+    `$PAGED_JAX_CPU_ISA`, else native) with XLA; False when it cannot be built."""
+    return _load(folder, cpp_build.isa(isa))
+
+
 @functools.cache
-def load(folder: str) -> bool:
-    """Builds (if needed) and registers the kernel with XLA; False when it cannot be built."""
+def _load(folder: str, isa: str) -> bool:
     return cpp_build.load(SOURCE, Path(folder), "CPU matmul kernel", "XLA's dot",
-                          {TARGET: "PackedMatmul", TARGET_INT8: "PackedMatmulInt8",
+                          {TARGET: "PackedMatmul", TARGET_BF16: "PackedMatmulBf16",
+                           TARGET_INT8: "PackedMatmulInt8",
                            TARGET_INT4: "PackedMatmulInt4",
-                           TARGET_INT4_CODED: "PackedMatmulInt4Coded"})
+                           TARGET_INT4_CODED: "PackedMatmulInt4Coded"}, isa)
 
 
-def matmul(x: jax.Array, w: Packed) -> jax.Array:
-    """x [..., K] @ w.T -> [..., n] in float32 (call `load` first)."""
+PATH_BF16_DOT = 32  # PagedJaxIsaPaths' bit: AVX-512 BF16 dot products compiled in
+
+
+def isa_paths(folder: str, isa: str | None = None) -> int:
+    """The ISA-specific paths the built library holds (PagedJaxIsaPaths' bits; 0 when the
+    kernel does not build)."""
+    import ctypes
+
+    if not load(folder, isa):
+        return 0
+    path = cpp_build.library_path(SOURCE, Path(folder), cpp_build.flags(cpp_build.isa(isa)))
+    return int(ctypes.CDLL(str(path)).PagedJaxIsaPaths())
+
+
+def matmul(x: jax.Array, w: Packed, isa: str | None = None) -> jax.Array:
+    """x [..., K] @ w.T -> [..., n] in float32 on `isa`'s build (call `load` first). A NaN or
+    Inf in a row of x gives NaN or Inf in that row of the result (int4's quantized x too)."""
     lead, k = x.shape[:-1], x.shape[-1]
     if k != w.panels.shape[1]:
         raise ValueError(f"packed matmul: x has {k} features, the weight {w.panels.shape[1]}")
     m = int(np.prod(lead, dtype=np.int64))
-    out_shape = jax.ShapeDtypeStruct((m, w.n), jnp.float32)
+    call = lambda name: jax.ffi.ffi_call(cpp_build.target(name, isa),  # noqa: E731
+                                         jax.ShapeDtypeStruct((m, w.n), jnp.float32))
     x2 = x.reshape(m, k).astype(jnp.float32)
-    if w.scales is None:
-        out = jax.ffi.ffi_call(TARGET, out_shape)(x2, w.panels)
+    if w.panels.dtype == jnp.uint16:
+        out = call(TARGET_BF16)(x2, w.panels)
+    elif w.scales is None:
+        out = call(TARGET)(x2, w.panels)
     elif w.mins is None:  # weight-only: x as it is
-        out = jax.ffi.ffi_call(TARGET_INT8, out_shape)(x2, w.panels, w.scales)
+        out = call(TARGET_INT8)(x2, w.panels, w.scales)
     else:
         target, ops = ((TARGET_INT4, (w.mins,)) if w.supers is None
                        else (TARGET_INT4_CODED, (w.mins, w.supers)))
-        out = jax.ffi.ffi_call(target, out_shape)(x2, w.panels, w.scales, *ops,
-                                                  quantize_x=np.int32(w.quantize_x))
+        out = call(target)(x2, w.panels, w.scales, *ops, quantize_x=np.int32(w.quantize_x))
     return out.reshape(*lead, w.n)
 
 

@@ -58,7 +58,10 @@ struct QuantRows {
  private:
   void group(const float* x, int64_t g) {
     float amax = 0.f;
-    for (int64_t i = 0; i < kGX; ++i) amax = std::max(amax, std::fabs(x[i]));
+    bool finite = true;
+    for (int64_t i = 0; i < kGX; ++i)
+      amax = std::max(amax, std::fabs(x[i])), finite &= std::isfinite(x[i]);
+    if (!finite) return nonfinite(g);
     const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
     int32_t v[kGX], total = 0;
 #ifdef __AVX2__  // round to nearest even, as lrintf, 8 at a time
@@ -74,11 +77,30 @@ struct QuantRows {
     }
     scale[g] = s, sum[g] = total;
   }
+
+  // A NaN or Inf in group g: no code stands for it (lrintf gives an unspecified value, cvtps
+  // INT_MIN, and 127 / Inf scales every other x to 0), so the codes are 0 and the scale NaN:
+  // every output of the row is NaN (scale * 0), where x @ w gives NaN or +-Inf.
+  void nonfinite(int64_t g) {
+    std::fill_n(q.begin() + g * kGX, kGX, int8_t(0));
+    if (!dequant.empty()) std::fill_n(dequant.begin() + g * kGX, kGX, NAN);
+    scale[g] = NAN, sum[g] = 0;
+  }
 };
 
+// Byte codes are read 32 at a time as 8 int32 lanes: the unaligned types may alias the int8 /
+// uint8 buffers (without may_alias that read is undefined behaviour under strict aliasing).
 typedef int32_t i32x8 __attribute__((vector_size(32)));
-typedef uint32_t u32x8u __attribute__((vector_size(32), aligned(1)));
-typedef int32_t i32x8u __attribute__((vector_size(32), aligned(1)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8u __attribute__((vector_size(32), aligned(1), may_alias));
+
+inline u32x8 codes32(const void* p) { return *static_cast<const u32x8u*>(p); }
+
+// Byte j of each lane, sign-extended: shifted left as unsigned (a negative signed lane shifted
+// left is undefined behaviour in C++17), then arithmetically right.
+inline v8 byte_lane(u32x8 w, int j) {
+  return __builtin_convertvector((i32x8)(w << (24 - 8 * j)) >> 24, v8);
+}
 
 // An int8 panel decoded to float32 [K, 16].
 void decode_panel8(const int8_t* q, const uint16_t* scales, int64_t group, int64_t K,
@@ -87,10 +109,8 @@ void decode_panel8(const int8_t* q, const uint16_t* scales, int64_t group, int64
     const v8 s[2] = {half8(scales), half8(scales + 8)};
     for (int64_t b = g; b < g + group; b += 4)
       for (int h = 0; h < 2; ++h) {  // columns 0..7, then 8..15
-        const i32x8 w = *reinterpret_cast<const i32x8u*>(q + b * kNR + h * 32);
-        for (int j = 0; j < 4; ++j)  // byte j of each lane, sign-extended
-          store(out + (b + j) * kNR + 8 * h,
-                __builtin_convertvector((w << (24 - 8 * j)) >> 24, v8) * s[h]);
+        const u32x8 w = codes32(q + b * kNR + h * 32);
+        for (int j = 0; j < 4; ++j) store(out + (b + j) * kNR + 8 * h, byte_lane(w, j) * s[h]);
       }
   }
 }
@@ -140,7 +160,7 @@ void decode_panel4(const uint8_t* q, const Int4Params& params, int64_t K, float*
     params.group(g / kGX, s, m);
     for (int64_t b = g; b < g + kGX; b += 8)
       for (int h = 0; h < 2; ++h) {
-        const u32x8u w = *reinterpret_cast<const u32x8u*>(q + b * 8 + h * 32);
+        const u32x8 w = codes32(q + b * 8 + h * 32);
         for (int j = 0; j < 4; ++j) {
           const v8 lo = __builtin_convertvector((i32x8)((w >> (8 * j)) & 15), v8);
           const v8 hi = __builtin_convertvector((i32x8)((w >> (8 * j + 4)) & 15), v8);
@@ -167,9 +187,8 @@ void micro_row_w8(const float* x, int64_t K, const int8_t* q, const uint16_t* sc
     v8 c[2][4] = {};
     for (int64_t b = g; b < g + group; b += 4)
       for (int h = 0; h < 2; ++h) {
-        const i32x8 w = *reinterpret_cast<const i32x8u*>(q + b * kNR + h * 32);
-        for (int j = 0; j < 4; ++j)  // byte j of each lane, sign-extended
-          c[h][j] += __builtin_convertvector((w << (24 - 8 * j)) >> 24, v8) * x[b + j];
+        const u32x8 w = codes32(q + b * kNR + h * 32);
+        for (int j = 0; j < 4; ++j) c[h][j] += byte_lane(w, j) * x[b + j];
       }
     for (int h = 0; h < 2; ++h)
       a[h] += ((c[h][0] + c[h][1]) + (c[h][2] + c[h][3])) * half8(scales + 8 * h);
@@ -186,7 +205,7 @@ void micro_row_w4(const float* x, const float* xsum, int64_t K, const uint8_t* q
     v8 c[2][4] = {};
     for (int64_t b = g; b < g + kGX; b += 8)
       for (int h = 0; h < 2; ++h) {
-        const u32x8u w = *reinterpret_cast<const u32x8u*>(q + b * 8 + h * 32);
+        const u32x8 w = codes32(q + b * 8 + h * 32);
         for (int j = 0; j < 4; ++j) {
           c[h][j] += __builtin_convertvector((i32x8)((w >> (8 * j)) & 15), v8) * x[b + j];
           c[h][j] += __builtin_convertvector((i32x8)((w >> (8 * j + 4)) & 15), v8) * x[b + 4 + j];

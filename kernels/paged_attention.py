@@ -20,6 +20,10 @@ rows (SmolLM2: G=3 -> 4, 25% waste, not 16 -> 81% waste as with a tl.dot-friendl
   split     | grouped + flash-decoding: pages split   | fills the GPU when S*H is small and the
             | over a 3rd grid axis, partial (o, m, l) | context is long; costs a second small
             | combined by a jnp log-sum-exp reduction | reduction and fp32 partials in HBM
+  split_dot | dot + flash-decoding                    | the two above together
+
+Every variant can gather `pages_per_step` pages per loop step (float pages): one page of 16
+tokens is 2-4 KiB, too little in flight per program to approach HBM bandwidth.
 
 Masking is exact: a key past seq_len gets score -inf (where, not a multiply) and its V row is
 replaced by 0 before p @ v, so a stale or NaN block (freed, or the zero block behind padding
@@ -38,15 +42,28 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from kernels.pages import PagesLike, as_pages, view
+try:  # deprecated in JAX 0.11 and slated for removal: kernels/mosaic_decode.py is the successor
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover - a JAX without it
+    plgpu = None
 
-Ref = Any  # a Pallas ref inside a kernel (not an Array)
-DType = Any  # jnp.float32 is a class, jnp.dtype("float32") an instance: both accepted
+from kernels.pages import PagesLike
+from kernels.tiles import (
+    DType,
+    compute_dtype,
+    init_state,
+    load_page,
+    load_pages,
+    normalize,
+    online_update,
+    page_operands,
+    qk,
+    split_refs,
+)
 
-VARIANTS = ("grouped", "dot", "split")
+VARIANTS = ("grouped", "dot", "split", "split_dot")
 DOT_MIN = 16  # tl.dot wants every dimension >= 16
 # The whole KV pool stays in HBM, untiled; kernels index pages through the block table.
 ANY = getattr(pl, "ANY", None) or pl.MemorySpace.ANY
@@ -62,110 +79,29 @@ def use_interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def compiler_params(num_warps: int = 4, num_stages: int = 2) -> plgpu.CompilerParams:
+TRITON = plgpu is not None  # whether this JAX still has Pallas' Triton backend
+TILE_BYTES = 32 << 10  # the most bytes of one K (or V) tile a loop step gathers
+
+
+def max_pages_per_step(block: int, head_dim: int, dtype) -> int:
+    """Pages one loop step may gather so that its K and V tiles fit shared memory (four pages
+    of float32 at D = 256 asked for 272 KiB of an H200's 227)."""
+    return max(1, TILE_BYTES // (block * head_dim * jnp.dtype(dtype).itemsize))
+
+
+def compiler_params(num_warps: int = 4, num_stages: int = 2) -> Any:
     """Triton params; passing them is also what selects Triton rather than Mosaic GPU."""
+    if plgpu is None:
+        raise RuntimeError(f"JAX {jax.__version__} has no Pallas Triton backend; decode runs "
+                           "on kernels/mosaic_decode.py (bfloat16 / float16 pages)")
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-# ----------------------------------------------------------------------------- shared kernel math
-def init_state(rows: int, d: int) -> tuple[Array, Array, Array]:
-    """Online-softmax state: unnormalized output, running max, running denominator."""
-    o = jnp.zeros((rows, d), jnp.float32)
-    m = jnp.full((rows,), -jnp.inf, jnp.float32)
-    return o, m, jnp.zeros((rows,), jnp.float32)
-
-
-def _dot(a: Array, b: Array, contract: tuple[int, int]) -> Array:
-    """tl.dot, fp32 accumulation; fp32 inputs in IEEE fp32 (not TF32) to match the reference."""
-    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    dims = (((contract[0],), (contract[1],)), ((), ()))
-    return jax.lax.dot_general(
-        a, b, dims, precision=precision, preferred_element_type=jnp.float32
-    )
-
-
-def qk(q: Array, k: Array, use_dot: bool) -> Array:
-    """[R, D] x [K, D] -> [R, K] scores in fp32."""
-    if use_dot:
-        return _dot(q, k, (1, 1))
-    return jnp.sum(q[:, None, :] * k[None, :, :], axis=-1)
-
-
-def pv(p: Array, v: Array, use_dot: bool) -> Array:
-    """[R, K] x [K, D] -> [R, D] in fp32."""
-    if use_dot:
-        return _dot(p, v, (1, 0))
-    return jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
-
-
-def online_update(
-    state: tuple[Array, Array, Array], s: Array, v: Array, use_dot: bool
-) -> tuple[Array, Array, Array]:
-    """Folds one tile of masked scores s [R, K] (-inf = masked) and values v [K, D] in."""
-    o, m, den = state
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-    # A row with nothing visible yet keeps max -inf; shift by 0 then so exp gives 0, not NaN.
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    corr = jnp.exp(m - m_safe)
-    p = jnp.exp(s - m_safe[:, None])
-    o = o * corr[:, None] + pv(p.astype(v.dtype) if use_dot else p, v, use_dot)
-    return o, m_new, den * corr + jnp.sum(p, axis=-1)
-
-
-def normalize(o: Array, den: Array) -> Array:
-    """o / den, and 0 for rows that saw no key (padding sequences)."""
-    return jnp.where(den[:, None] > 0, o / jnp.where(den > 0, den, 1.0)[:, None], 0.0)
-
-
-def load_page(
-    ref: Ref, h: Array, page: Array, valid: Array, dtype: DType, kv_dtype: DType,
-    scale_ref: Ref | None = None,
-) -> Array:
-    """One [K, D] page of KV head h in `dtype`, rows past the sequence end replaced by 0 (they
-    may be NaN). Pages stored as bits are viewed as `kv_dtype` after the load, and int8 / fp8
-    ones multiplied by their scales (kernels/pages.py): Z per token, each over D / Z
-    consecutive values, spread over the row with one load and a select per group (Triton has
-    no reshape of a loaded block)."""
-    x = view(ref[h, page, :, :], kv_dtype)
-    if scale_ref is not None:
-        x = x.astype(jnp.float32)
-        groups, d = scale_ref.shape[-1], x.shape[-1]
-        col = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) // (d // groups)
-        full = scale_ref[h, page, :, 0][:, None] * jnp.ones_like(x)
-        for g in range(1, groups):
-            full = jnp.where(col == g, scale_ref[h, page, :, g][:, None], full)
-        x = x * full
-    x = x.astype(dtype)
-    return jnp.where(valid[:, None], x, jnp.zeros_like(x))
-
-
-def page_operands(k_pages: PagesLike, v_pages: PagesLike) -> tuple[list[Array], Any, bool]:
-    """The kernels' K/V operands (values, then scales when quantized), the values' dtype, and
-    whether they carry scales."""
-    k, v = as_pages(k_pages), as_pages(v_pages)
-    scales = [k.scale, v.scale] if k.scale is not None else []
-    return [k.values, v.values, *scales], k.dtype, bool(scales)
-
-
-def compute_dtype(kv_dtype: DType, q_dtype: DType, use_dot: bool) -> DType:
-    """What pages are multiplied in: f32 for the elementwise variants; for tl.dot the pages'
-    own float dtype, or q's when they are int8 / fp8 (dequantized on load)."""
-    if not use_dot:
-        return jnp.float32
-    kv = jnp.dtype(kv_dtype)
-    return kv if kv in (jnp.float32, jnp.bfloat16, jnp.float16) else jnp.dtype(q_dtype)
-
-
-def split_refs(refs: tuple, quantized: bool) -> tuple[Ref | None, Ref | None, tuple]:
-    """(k scale ref, v scale ref, the rest) of a kernel's refs after K and V."""
-    return (refs[0], refs[1], refs[2:]) if quantized else (None, None, refs)
 
 
 # ----------------------------------------------------------------------------- decode kernel
 def _decode_kernel(
     q_ref, k_ref, v_ref, *refs,
     scale: float, pages_per_split: int, use_dot: bool, split: bool, kv_dtype: DType,
-    quantized: bool, window: int | None,
+    quantized: bool, window: int | None, pages_per_step: int = 1,
 ) -> None:
     ks_ref, vs_ref, (bt_ref, len_ref, *out_refs) = split_refs(refs, quantized)
     s, h, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -178,19 +114,25 @@ def _decode_kernel(
     lo = 0  # first key the query sees: pages before it are skipped, not masked
     if window is not None:
         lo = jnp.maximum(length - window, 0)
+    c = pages_per_step
 
     def body(j, state):
-        i = first + j
-        page = bt_ref[s, i]
-        kpos = i * block + jnp.arange(block)
+        i = first + j * c  # this step's first page
+        kpos = i * block + jnp.arange(c * block)
         valid = (kpos < length) & (kpos >= lo)
-        k = load_page(k_ref, h, page, valid, dt, kv_dtype, ks_ref)
-        v = load_page(v_ref, h, page, valid, dt, kv_dtype, vs_ref)
+        if c == 1:
+            page = bt_ref[s, i]
+            k = load_page(k_ref, h, page, valid, dt, kv_dtype, ks_ref)
+            v = load_page(v_ref, h, page, valid, dt, kv_dtype, vs_ref)
+        else:  # c pages in one gather: more bytes in flight per program
+            pages = bt_ref[s, pl.ds(i, c)]
+            k = load_pages(k_ref, h, pages, valid, dt, kv_dtype)
+            v = load_pages(v_ref, h, pages, valid, dt, kv_dtype)
         scores = jnp.where(valid[None, :], qk(q, k, use_dot), -jnp.inf)
         return online_update(state, scores, v, use_dot)
 
-    start = jnp.clip(lo // block - first, 0, n)
-    o, m, den = jax.lax.fori_loop(start, n, body, init_state(*q.shape))
+    start = jnp.clip(lo // block - first, 0, n) // c
+    o, m, den = jax.lax.fori_loop(start, pl.cdiv(n, c), body, init_state(*q.shape))
     if split:
         o_ref, m_ref, den_ref = out_refs
         o_ref[...], m_ref[...], den_ref[...] = o, m, den
@@ -209,12 +151,18 @@ def combine_splits(
     return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
 
 
-def _check_variant(variant: str, block: int) -> str:
+def _check_variant(variant: str, block: int, quantized: bool, pages_per_step: int
+                   ) -> tuple[bool, bool]:
+    """(uses tl.dot, splits) of a decode variant, or a ValueError naming what does not fit."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown decode variant {variant!r}; expected one of {VARIANTS}")
-    if variant == "dot" and block < DOT_MIN:
-        raise ValueError(f"variant 'dot' needs block size >= {DOT_MIN}, got {block}")
-    return variant
+    use_dot = variant in ("dot", "split_dot")
+    if use_dot and block < DOT_MIN:
+        raise ValueError(f"variant {variant!r} needs block size >= {DOT_MIN}, got {block}")
+    if pages_per_step > 1 and quantized:
+        raise ValueError("pages_per_step > 1 takes float pages; int8 / fp8 pages load one "
+                         "page a step")
+    return use_dot, variant.startswith("split")
 
 
 def _decode_outputs(nseq: int, h: int, splits: int, gp: int, d: int, dtype) -> tuple[list, list]:
@@ -234,7 +182,8 @@ def _decode_outputs(nseq: int, h: int, splits: int, gp: int, d: int, dtype) -> t
 
 @functools.partial(
     jax.jit,
-    static_argnames=("variant", "scale", "num_splits", "interpret", "num_warps", "window"),
+    static_argnames=("variant", "scale", "num_splits", "interpret", "num_warps", "window",
+                     "pages_per_step"),
 )
 def decode_attention(
     q: Float[Array, "S Q D"],
@@ -243,12 +192,9 @@ def decode_attention(
     block_tables: Int[Array, "S P"],
     seq_lens: Int[Array, "S"],
     *,
-    variant: str = "grouped",
-    scale: float | None = None,
-    num_splits: int = 1,
-    interpret: bool | None = None,
-    num_warps: int = 4,
-    window: int | None = None,
+    variant: str = "grouped", scale: float | None = None, num_splits: int = 1,
+    interpret: bool | None = None, num_warps: int = 4, window: int | None = None,
+    pages_per_step: int = 1,
 ) -> Float[Array, "S Q D"]:
     """One query token per sequence attending to its first seq_lens[s] cached tokens.
 
@@ -257,37 +203,37 @@ def decode_attention(
       k_pages, v_pages: one layer's pages: float, or int8 / fp8 with scales (pages.py).
       block_tables: [S, P] physical block per logical block (padding -> zero block 0).
       seq_lens: [S] context lengths including the query token; 0 = padding (output 0).
-      variant: "grouped" | "dot" | "split" (module docstring).
-      num_splits: pages partitions for "split" (P is padded up to a multiple of it).
+      variant: "grouped" | "dot" | "split" | "split_dot" (module docstring).
+      num_splits: pages partitions for the split variants (P is padded to a multiple).
       window: the query sees only its last `window` keys (None: all).
+      pages_per_step: pages a loop step gathers (float pages): more bytes in flight.
 
     Returns: [S, Q, D] attention output in q's dtype.
     """
-    nseq, nq, d = q.shape
+    nseq, nq, d = q.shape  # the pool's pages are indexed inside the kernel: ANY, untiled
     kv_ops, kv_dtype, quantized = page_operands(k_pages, v_pages)
     h, _, block, _ = kv_ops[0].shape
     g = nq // h
-    use_dot, split = _check_variant(variant, block) == "dot", variant == "split"
+    use_dot, split = _check_variant(variant, block, quantized, pages_per_step)  # or raises
     gp = max(next_pow2(g), DOT_MIN) if use_dot else next_pow2(g)
     splits = num_splits if split else 1
     p = block_tables.shape[1]
-    pps = -(-p // splits)
+    pps = -(-p // (splits * pages_per_step)) * pages_per_step
     # Padding entries read the zero block; they are masked by length anyway.
     block_tables = jnp.pad(block_tables, ((0, 0), (0, pps * splits - p)))
     qg = jnp.pad(q.reshape(nseq, h, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     scale = d**-0.5 if scale is None else scale
     interpret = use_interpret() if interpret is None else interpret
-    any_spec = pl.BlockSpec(memory_space=ANY)
     out_specs, out_shape = _decode_outputs(nseq, h, splits if split else 0, gp, d, q.dtype)
     kernel = functools.partial(
         _decode_kernel, scale=scale, pages_per_split=pps, use_dot=use_dot, split=split,
-        kv_dtype=kv_dtype, quantized=quantized, window=window,
+        kv_dtype=kv_dtype, quantized=quantized, window=window, pages_per_step=pages_per_step,
     )
     outs = pl.pallas_call(
         kernel,
         grid=(nseq, h, splits),
         in_specs=[pl.BlockSpec((None, None, gp, d), lambda s, i, x: (s, i, 0, 0))]
-        + [any_spec] * (len(kv_ops) + 2),
+        + [pl.BlockSpec(memory_space=ANY)] * (len(kv_ops) + 2),
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
@@ -295,7 +241,7 @@ def decode_attention(
         name=f"paged_decode_{variant}",
     )(qg, *kv_ops, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32))
     o = combine_splits(*outs) if split else outs[0]
-    return o[:, :, :g].reshape(nseq, nq, d).astype(q.dtype)
+    return o[:, :, :g].reshape(nseq, nq, d).astype(q.dtype)  # the padded heads dropped
 
 
 # ----------------------------------------------------------------------------- reference
@@ -375,7 +321,7 @@ def main() -> None:
                 args = random_decode_inputs(key, nseq, nq, h, d, block, pages, dtype)
                 ref = decode_reference(*args)
                 for variant in VARIANTS:
-                    if variant == "dot" and block < DOT_MIN:
+                    if variant in ("dot", "split_dot") and block < DOT_MIN:
                         continue
                     fn = functools.partial(decode_attention, variant=variant, num_splits=4)
                     out = fn(*args)

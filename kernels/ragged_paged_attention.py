@@ -38,24 +38,19 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
-from kernels.paged_attention import (
-    ANY,
-    DOT_MIN,
+from kernels.paged_attention import ANY, DOT_MIN, compiler_params, next_pow2, time_fn, use_interpret
+from kernels.pages import PagesLike
+from kernels.tiles import (
     DType,
-    compiler_params,
     compute_dtype,
     init_state,
     load_page,
-    next_pow2,
     normalize,
     online_update,
     page_operands,
     qk,
     split_refs,
-    time_fn,
-    use_interpret,
 )
-from kernels.pages import PagesLike
 
 VARIANTS = ("grouped", "dot")
 

@@ -11,13 +11,27 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import cpu_attention
+from kernels import cpp_build, cpu_attention
+from paged_jax import compile_cache
 from paged_jax.models.attention import cpu_kernel_available, default_backend, paged_attention
 from tests.attention_helpers import jitted, naive
 from tests.engine_helpers import GREEDY, engine, prompts, run, tokens
 
 pytestmark = pytest.mark.skipif(not cpu_kernel_available(),
                                 reason="no C++ compiler on this machine: the kernel cannot build")
+
+# The numeric tests run on the default build (native) in the fast tier, and on each portable
+# build (kernels/cpp_build.py) in the slow tier; tests/test_cpu_isa.py runs a batch of each
+# in the fast tier.
+ISAS = [pytest.param(None, id="default"),
+        *(pytest.param(i, marks=pytest.mark.slow) for i in cpp_build.ISAS if i != "native")]
+
+
+def attention_on(isa: str | None):
+    """The kernel of the default build, or of one ISA's."""
+    if isa is not None and not cpu_attention.load(str(compile_cache.kernel_folder()), isa):
+        pytest.skip(f"the {isa} build is not available here")
+    return functools.partial(cpu_attention.paged_attention, isa=isa)
 
 
 @st.composite
@@ -45,20 +59,22 @@ def batches(draw):
     return q, k, v, tables, lens.astype(np.int32), query_start
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @settings(max_examples=40, deadline=None)
 @given(batch=batches())
-def test_kernel_matches_naive(batch):
-    got = np.asarray(cpu_attention.paged_attention(*map(jnp.asarray, batch), scale=0.3))
+def test_kernel_matches_naive(isa, batch):
+    got = np.asarray(attention_on(isa)(*map(jnp.asarray, batch), scale=0.3))
     assert np.all(np.isfinite(got)), "a NaN from a free block leaked"
     np.testing.assert_allclose(got, naive(*batch, 0.3), atol=1e-5, rtol=1e-5)
     assert not got[batch[5][-1]:].any(), "padding tokens must read zeros"
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @settings(max_examples=5, deadline=None)
 @given(batch=batches())
-def test_bfloat16_matches_reference_in_float32(batch):
+def test_bfloat16_matches_reference_in_float32(isa, batch):
     bf = [jnp.asarray(x, jnp.bfloat16) for x in batch[:3]] + list(map(jnp.asarray, batch[3:]))
-    got = cpu_attention.paged_attention(*bf, scale=0.3)
+    got = attention_on(isa)(*bf, scale=0.3)
     assert got.dtype == jnp.bfloat16
     want = naive(*[np.asarray(x, np.float32) for x in bf[:3]], *batch[3:], 0.3)
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2, rtol=3e-2)
@@ -96,7 +112,7 @@ def test_loading_the_kernel_keeps_subnormal_floats():
     assert np.float32(1e-40) * np.float32(1.0) != 0.0  # (XLA flushes in its own threads)
 
 
-def quantized_pages_match(batch, name):
+def quantized_pages_match(isa, batch, name):
     """int8 / fp8 pages with two scales per row (groups of D / 2); free blocks' scales are
     NaN."""
     from paged_jax.cache import kv_quant
@@ -109,16 +125,32 @@ def quantized_pages_match(batch, name):
             jnp.asarray(np.nan_to_num(x)))
         pages.append((vals, jnp.where(jnp.isnan(x).any(-1)[..., None], jnp.nan, scale)))
     args = (jnp.asarray(q), *pages, *map(jnp.asarray, (tables, lens, qs)))
-    got = np.asarray(cpu_attention.paged_attention(*args, scale=0.3))
+    got = np.asarray(attention_on(isa)(*args, scale=0.3))
     ref = np.asarray(jitted(paged_attention, max_q=8, backend="reference", scale=0.3)(*args))
     assert np.all(np.isfinite(got)), "a NaN from a free block leaked"
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
 
 
-# Each example compiles its shapes (seconds): a few in the fast tier, more in the slow tier's
-# twin (tests/conftest.py).
+# Each example compiles its shapes (seconds): a few in the fast tier (the default build; the
+# portable builds' in the slow tier), more in the slow tier's twin (tests/conftest.py).
 _QUANTIZED = given(batch=batches(), name=st.sampled_from(["int8", "fp8", "fp8_e5m2"]))
-test_quantized_pages_match_the_reference = settings(max_examples=5, deadline=None)(
-    _QUANTIZED(quantized_pages_match))
-test_quantized_pages_match_the_reference_deep = settings(max_examples=24, deadline=None)(
-    _QUANTIZED(quantized_pages_match))
+test_quantized_pages_match_the_reference = pytest.mark.parametrize("isa", ISAS)(
+    settings(max_examples=5, deadline=None)(_QUANTIZED(quantized_pages_match)))
+test_quantized_pages_match_the_reference_deep = pytest.mark.parametrize("isa", ISAS[:1])(
+    settings(max_examples=24, deadline=None)(_QUANTIZED(quantized_pages_match)))
+
+
+def test_inconsistent_shapes_are_refused():
+    """V with fewer blocks than K, or scales of other pages, would be read past their end:
+    the kernel itself refuses them (called directly: the wrapper's type hints check shapes
+    only under tests), an error, not undefined behaviour."""
+    q, k = jnp.zeros((1, 2, 8)), jnp.zeros((1, 4, 2, 8))
+    ints = [jnp.asarray(x, jnp.int32) for x in ([[1]], [1], [0, 1])]
+    attrs = dict(scale=np.float32(1), window=np.int32(0))
+    call = lambda name: jax.ffi.ffi_call(cpp_build.target(name), q)  # noqa: E731
+    with pytest.raises(Exception, match="inconsistent q / k / v"):
+        np.asarray(call(cpu_attention.TARGET)(q, k, k[:, :2], *ints, **attrs))
+    vals, scale = jnp.zeros((1, 4, 2, 8), jnp.int8), jnp.ones((1, 4, 2, 2))
+    with pytest.raises(Exception, match="scales must be"):
+        np.asarray(call(cpu_attention.TARGET_QUANT)(q, vals, vals, scale[:, :2], scale, *ints,
+                                                    e5m2=np.int32(0), **attrs))

@@ -3,34 +3,52 @@ against the engine on XLA's dot."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import cpu_matmul
+from kernels import cpp_build, cpu_matmul
 from paged_jax import compile_cache
 from paged_jax.engine import EngineConfig
 from paged_jax.engine.runner import matmul_backend
 from paged_jax.models.llama import linear, pack_params, prepare_params
-from paged_jax.models.testing import random_params, tiny_config
+from paged_jax.models.testing import byte_tokenizer, random_params, tiny_config
 from tests.engine_helpers import GREEDY, engine, prompts, run, tokens
 from tests.forward_helpers import prefill_logits
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.load(str(compile_cache.kernel_folder())),
                                 reason="no C++ compiler on this machine: the kernel cannot build")
 
+# The numeric tests run on the default build (native) in the fast tier, and on each portable
+# build (kernels/cpp_build.py: its AVX2 / scalar paths) in the slow tier; tests/test_cpu_isa.py
+# runs a few shapes of each in the fast tier.
+ISAS = [pytest.param(None, id="default"),
+        *(pytest.param(i, marks=pytest.mark.slow) for i in cpp_build.ISAS if i != "native")]
+
+
+def matmul_on(isa: str | None):
+    """The jitted forward's matmul (`linear`), or the kernel of one ISA's build."""
+    if isa is None:
+        return jax.jit(linear)
+    if not cpu_matmul.load(str(compile_cache.kernel_folder()), isa):
+        pytest.skip(f"the {isa} build is not available here")
+    return jax.jit(functools.partial(cpu_matmul.matmul, isa=isa))
+
 
 @pytest.mark.parametrize("m, k, n", [
     (1, 8, 16), (5, 7, 40), (6, 64, 33), (16, 576, 960), (97, 24, 130), (200, 40, 16 * 9 + 1),
     (3, 600, 20), (13, 300, 50)])
-def test_matmul_matches_float64(m, k, n):
+@pytest.mark.parametrize("isa", ISAS)
+def test_matmul_matches_float64(m, k, n, isa):
     """Rows not a multiple of the micro-kernel's 6 or the task's 96, columns not a multiple of
     the panel's 16 (the last panel is partial, alone or the second of a pair on AVX-512), odd
     K and K past one or two of AVX-512's 256-k chunks; inside jit, as the forward runs it."""
     rng = np.random.default_rng(m * n + k)
     x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((n, k), np.float32)
-    got = np.asarray(jax.jit(linear)(jnp.asarray(x), cpu_matmul.pack(w)))
+    got = np.asarray(matmul_on(isa)(jnp.asarray(x), cpu_matmul.pack(w)))
     want = x.astype(np.float64) @ w.astype(np.float64).T
     assert got.shape == (m, n) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
@@ -74,16 +92,18 @@ def test_engine_tokens_equal_on_packed_and_xla_matmuls():
 
 def test_matmul_backend_is_chosen_and_checked():
     assert matmul_backend(None, jnp.float32) == "cpu"
-    assert matmul_backend(None, jnp.bfloat16) == "xla"  # the kernel is float32
+    assert matmul_backend(None, jnp.bfloat16) == "cpu"  # bfloat16 panels
+    assert matmul_backend(None, jnp.float16) == "xla"  # the kernel has no float16 panels
     assert matmul_backend("xla", jnp.float32) == "xla"
-    with pytest.raises(ValueError, match="needs float32 weights on CPU"):
-        matmul_backend("cpu", jnp.bfloat16)
+    with pytest.raises(ValueError, match="needs float32 or bfloat16 weights"):
+        matmul_backend("cpu", jnp.float16)
     with pytest.raises(ValueError, match="matmul_backend must be"):
         EngineConfig(matmul_backend="onednn")
 
 
 @pytest.mark.parametrize("m, k, n", [(1, 128, 40), (16, 576, 960), (97, 24, 130), (1, 24, 17)])
-def test_int8_matmul_is_exact_on_its_dequantized_weights(m, k, n):
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8_matmul_is_exact_on_its_dequantized_weights(m, k, n, isa):
     """Weight-only int8: the kernel computes x @ (q * scale).T with x as it is, one row or
     many: against float64 as close as float32 allows; K = 24 has one group per column (32
     does not divide it)."""
@@ -93,7 +113,7 @@ def test_int8_matmul_is_exact_on_its_dequantized_weights(m, k, n):
     assert p.panels.dtype == jnp.int8 and p.scales.shape[1] == (k // 32 if k % 32 == 0 else 1)
     assert not p.quantize_x
     deq = np.asarray(cpu_matmul.unpack(p), np.float64)
-    got = np.asarray(jax.jit(linear)(jnp.asarray(x), p))
+    got = np.asarray(matmul_on(isa)(jnp.asarray(x), p))
     np.testing.assert_allclose(got, x.astype(np.float64) @ deq.T, rtol=1e-5,
                                atol=1e-5 * np.sqrt(k))
 
@@ -156,3 +176,43 @@ def test_int8_needs_the_cpu_kernel():
         EngineConfig(quantization="fp4")
     with pytest.raises(ValueError, match="reads float weights"):
         EngineConfig(quantization="int8", matmul_backend="xla")
+
+
+def bf16_parts():
+    """The tiny model in bfloat16 (its float32 weights rounded), and the float32 model on
+    exactly those rounded weights."""
+    c = tiny_config()
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), random_params(c))
+    return (c, params, byte_tokenizer()), (c, jax.tree.map(
+        lambda x: x.astype(jnp.float32), params), byte_tokenizer())
+
+
+def test_bfloat16_engine_runs_packed_bfloat16_and_is_batch_invariant():
+    """A bfloat16 model on CPU: bfloat16 panels in the C++ kernel (float32 activations, x
+    rounded to bfloat16 in the kernel), bfloat16 K/V; batched tokens equal one-at-a-time
+    tokens, and most greedy tokens equal the float32 model's on the same weights."""
+    parts, f32_parts = bf16_parts()
+    reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(6))]
+    eng = engine(parts)
+    assert eng.runner.matmul == "cpu" and eng.runner.weights == "bfloat16"
+    assert eng.runner.params["layers"][0]["w_qkv"].panels.dtype == jnp.uint16
+    assert eng.state.cache.dtype == jnp.bfloat16
+    batched = run(eng, reqs)
+    single = {rid: run(engine(parts), [(rid, p, sp)])[rid] for rid, p, sp in reqs}
+    f32 = run(engine(f32_parts), reqs)
+    same = 0
+    for i in range(6):
+        assert tokens(batched, str(i)) == tokens(single, str(i)), f"prompt {i}"
+        same += tokens(batched, str(i)) == tokens(f32, str(i))
+    assert same >= 4, f"bfloat16 greedy equals float32 on only {same} of 6 prompts"
+
+
+def test_bfloat16_logits_track_float32_on_the_same_weights():
+    """The packed bfloat16 forward's logits against float32's on the same (bfloat16) weights:
+    only x's rounding to bfloat16 in each matmul differs, about 2^-9 of each input."""
+    (c, params, _), (_, f32, _) = bf16_parts()
+    logits = prefill_logits(c)
+    got = logits(pack_params(prepare_params(params), "bfloat16"))
+    want = logits(prepare_params(f32))
+    assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).sum() >= 4

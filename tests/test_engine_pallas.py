@@ -122,6 +122,7 @@ from paged_jax.engine import batch as batch_lib
 from paged_jax.engine import step as step_lib
 from paged_jax.engine import verify as verify_lib
 from paged_jax.engine import window as window_lib
+from tests.cuda_lowering import cuda_lowering
 from tests.test_engine_pallas import GREEDY, PROMPTS, SMALL, engine
 
 for mod in (paged_attention, ragged_paged_attention):  # Triton, not the interpreter
@@ -134,18 +135,19 @@ for kv in ("auto", "fp8"):  # float pages, and fp8 bits with scales
     batch, shape, _, _ = batch_lib.build_step(plan, eng.config, [0], 257, "pallas")
     batch = dataclasses.replace(batch, ops=batch_lib.build_ops(plan.ops, eng.config))
     rows, toks, wshape, _ = batch_lib.build_window(plan, eng.config, "pallas")
+    rows, toks = jax.numpy.asarray(rows), jax.numpy.asarray(toks)  # eager: outside the context
     cfg = eng.runner.cfg
-    for low in (
-        step_lib.run_step.trace(eng.params, eng.state, batch, cfg=cfg, shape=shape),
-        window_lib.decode_window.trace(eng.params, eng.state, jax.numpy.asarray(rows),
-                                       jax.numpy.asarray(toks), batch.ops, cfg=cfg, window=4,
-                                       shape=wshape),
-        # a verify step (speculative decoding) over the same batch: every token sampled
-        verify_lib.run_verify.trace(eng.params, eng.state, batch, cfg=cfg,
-                                    shape=dataclasses.replace(shape, verify=5)),
-    ):
-        text = low.lower(lowering_platforms=("cuda",)).as_text().lower()
-        assert "triton" in text, "the kernels were not lowered to Triton"
+    with cuda_lowering():
+        for trace in (
+            lambda: step_lib.run_step.trace(eng.params, eng.state, batch, cfg=cfg, shape=shape),
+            lambda: window_lib.decode_window.trace(eng.params, eng.state, rows, toks, batch.ops,
+                                                   cfg=cfg, window=4, shape=wshape),
+            # a verify step (speculative decoding) over the same batch: every token sampled
+            lambda: verify_lib.run_verify.trace(eng.params, eng.state, batch, cfg=cfg,
+                                                shape=dataclasses.replace(shape, verify=5)),
+        ):
+            text = trace().lower(lowering_platforms=("cuda",)).as_text().lower()
+            assert "triton" in text, "the kernels were not lowered to Triton"
 print("lowered")
 """
 

@@ -19,6 +19,7 @@ from kernels import dispatch
 from kernels.paged_attention import decode_attention, decode_reference
 from kernels.ragged_paged_attention import ragged_paged_attention
 from paged_jax.models.attention import ragged_reference
+from tests.cuda_lowering import cuda_lowering
 
 S, P, MAX_Q, EXTRA_BLOCKS = 3, 4, 4, 3
 
@@ -75,12 +76,14 @@ def assert_close(out, ref, tol=2e-5):
     np.testing.assert_allclose(out, ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("variant", ["grouped", "dot", "split"])
+@pytest.mark.parametrize("variant,per_step", [
+    ("grouped", 1), ("dot", 1), ("split", 1), ("dot", 2), ("split_dot", 2), ("grouped", 4)])
 @settings(max_examples=10, deadline=None)
 @given(data=st.data())
-def test_decode_matches_reference(variant, data):
+def test_decode_matches_reference(variant, per_step, data):
+    """Every variant, one page a loop step or several gathered at once."""
     args = decode_args(make_batch(data.draw(layouts(16, 1)), 9, 3, 64, 16, 1))
-    out = decode_attention(*args, variant=variant, num_splits=2)
+    out = decode_attention(*args, variant=variant, num_splits=2, pages_per_step=per_step)
     assert_close(out, decode_reference(*args))
 
 
@@ -121,6 +124,8 @@ def test_free_blocks_cannot_change_output(data):
             ragged_paged_attention(*batch, max_q=MAX_Q),
             decode_attention(*decode_args(batch), variant="split", num_splits=2),
             decode_attention(*decode_args(batch)),
+            decode_attention(*decode_args(batch), variant="split_dot", num_splits=2,
+                             pages_per_step=2),
         ])
     for other in outs[1:]:
         for a, b in zip(outs[0], other, strict=True):
@@ -138,9 +143,32 @@ def test_dispatch_matches_reference(max_q, data):
 
 
 def test_decode_plan():
-    assert dispatch.decode_plan(1, 9, 3, 16, 2048) == ("split", 64)
-    assert dispatch.decode_plan(256, 9, 3, 16, 2048)[0] == "grouped"
-    assert dispatch.decode_plan(256, 32, 4, 16, 64) == ("dot", 1)
+    plan = dispatch.decode_plan
+    # Float pages of block 16 on tensor cores: Triton gathers 4 pages (64 tokens) a step,
+    # splits when S * H cannot fill the GPU and each split keeps two steps; from S * H >= 128
+    # programs Mosaic GPU, 8 pages a step.
+    assert plan(1, 9, 3, 16, 2048) == dispatch.DecodePlan("triton", "split_dot", 64, 4)
+    assert plan(64, 32, 8, 16, 256) == dispatch.DecodePlan("mosaic", "dot", 1, 8)
+    assert plan(8, 32, 8, 16, 256) == dispatch.DecodePlan("triton", "split_dot", 4, 4)
+    assert plan(1, 32, 8, 16, 64).num_splits == 8  # 16 steps of 4 pages, two a split
+    # float32 at D = 256: at most 32 KiB a tile (2 pages), Mosaic GPU refused (float32)
+    assert plan(64, 4, 1, 16, 64, jnp.float32, head_dim=256) == dispatch.DecodePlan(
+        "triton", "split_dot", 4, 2)
+    # int8 / fp8 pages and blocks below 16 load one page a step, elementwise.
+    assert plan(1, 9, 3, 16, 2048, quantized=True) == dispatch.DecodePlan("triton", "split",
+                                                                          64, 1)
+    assert plan(256, 9, 3, 8, 2048) == dispatch.DecodePlan("triton", "grouped", 1, 1)
+    assert plan(256, 32, 4, 8, 64).variant == "grouped"
+    # Mosaic GPU when asked for (or preferred) and the shapes fit; a clear error when not.
+    assert plan(8, 32, 8, 16, 256, kernel="mosaic") == dispatch.DecodePlan(
+        "mosaic", "split_dot", 4, 8)
+    assert plan(64, 32, 8, 16, 256, kernel="triton").kernel == "triton"
+    with pytest.raises(ValueError, match="float32"):
+        plan(64, 32, 8, 16, 256, jnp.float32, kernel="mosaic")
+    with pytest.raises(ValueError, match="block >= 16"):
+        plan(64, 32, 8, 8, 256, kernel="mosaic")
+    with pytest.raises(ValueError, match="expected one of"):
+        plan(64, 32, 8, 16, 256, kernel="cuda")
     assert dispatch.ragged_variant(8) == "grouped"
 
 
@@ -169,27 +197,40 @@ def test_lowers_for_triton(nq, h, d, block, dtype):
     tables, lens = spec((nseq, pages), jnp.int32), spec((nseq,), jnp.int32)
     qs = spec((nseq + 1,), jnp.int32)
     dot_ok = block >= 16
-    for variant in ["grouped", "split"] + ["dot"] * dot_ok:
-        fn = functools.partial(decode_attention, variant=variant, num_splits=2, interpret=False)
-        jax.jit(fn).trace(spec((nseq, nq, d), dtype), kv, kv, tables, lens).lower(
-            lowering_platforms=("cuda",))
-    for variant in ["grouped"] + ["dot"] * dot_ok:
-        for max_q in (1, 16):
-            fn = functools.partial(
-                ragged_paged_attention, max_q=max_q, variant=variant, interpret=False)
-            jax.jit(fn).trace(spec((t, nq, d), dtype), kv, kv, tables, lens, qs).lower(
-                lowering_platforms=("cuda",))
+    cases = [("grouped", 1), ("split", 1)] + [("dot", 1), ("dot", 8), ("split_dot", 4)] * dot_ok
+    with cuda_lowering():
+        for variant, per_step in cases:
+            fn = functools.partial(decode_attention, variant=variant, num_splits=2,
+                                   pages_per_step=per_step, interpret=False)
+            text = jax.jit(fn).trace(spec((nseq, nq, d), dtype), kv, kv, tables, lens).lower(
+                lowering_platforms=("cuda",)).as_text()
+            assert_one_triton_kernel(text, f"paged_decode_{variant}")
+        for variant in ["grouped"] + ["dot"] * dot_ok:
+            for max_q in (1, 16):
+                fn = functools.partial(
+                    ragged_paged_attention, max_q=max_q, variant=variant, interpret=False)
+                text = jax.jit(fn).trace(spec((t, nq, d), dtype), kv, kv, tables, lens,
+                                         qs).lower(lowering_platforms=("cuda",)).as_text()
+                assert_one_triton_kernel(text, f"ragged_paged_attention_{variant}")
+
+
+def assert_one_triton_kernel(text: str, name: str) -> None:
+    """The lowered program calls the kernel, compiled by Triton, once (not the interpreter,
+    which would inline the kernel's ops and leave no custom call)."""
+    assert text.count("stablehlo.custom_call") == 1 and "triton" in text.lower(), name
+    assert f'name = "{name}' in text, name
 
 
 def test_gpu_check_cpu_parts(capsys):
-    """The GPU check parses, plans its grid within the memory guard, and refuses without a GPU."""
+    """The GPU check's kernel half plans its grid (the issue's batches and contexts, the
+    target shape first) and refuses without a GPU."""
     from kernels import gpu_check
 
-    args = gpu_check.parse_args(["--out", "x", "--max-kv-gib", "1"])
-    assert args.out == "x"
-    shapes = gpu_check.grid(1.0)
-    assert shapes and all(gpu_check.kv_gib(b, c) <= 1.0 for b, c in shapes)
-    assert (1, 512) in shapes and (256, 32768) not in shapes
+    assert gpu_check.parse_args(["--out", "x"]).out == "x"
+    shapes = gpu_check.grid()
+    assert shapes[0] == gpu_check.TARGET_SHAPE == (64, 4096)
+    assert sorted(shapes) == sorted((b, c) for b in (1, 16, 64) for c in (1024, 4096, 16384))
+    assert gpu_check.kv_bytes(64, 4096) == 2 * 64 * 4096 * 8 * 128 * 2
     assert gpu_check.main(["--dry-run"]) == 0
     if jax.default_backend() != "gpu":
         assert gpu_check.main([]) == 2

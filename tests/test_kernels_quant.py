@@ -23,6 +23,7 @@ from kernels.ragged_paged_attention import ragged_paged_attention
 from paged_jax import compile_cache
 from paged_jax.cache import kv_quant
 from paged_jax.models.attention import ragged_reference
+from tests.cuda_lowering import cuda_lowering
 from tests.test_kernels import MAX_Q, assert_close, decode_args, layouts, make_batch
 
 NAMES = ["bfloat16", "int8", "fp8", "fp8_e5m2"]
@@ -124,8 +125,9 @@ def test_quantized_kernels_lower_for_triton(name):
         def call(q, vals, scale, *rest):
             kv = Pages(vals, scale, dt)
             return fn(q, kv, kv, *rest)
-        return jax.jit(call).trace(q, vals, scale, *rest).lower(
-            lowering_platforms=("cuda",)).as_text()
+        with cuda_lowering():
+            return jax.jit(call).trace(q, vals, scale, *rest).lower(
+                lowering_platforms=("cuda",)).as_text()
 
     for q_dtype in (jnp.float32, jnp.bfloat16):
         for variant in ("grouped", "split", "dot"):

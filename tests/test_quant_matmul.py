@@ -64,8 +64,11 @@ def test_kernel_lowers_for_triton(weights, dtype):
     def fn(x, q, scales, mins):  # the weight built inside: trace's stand-ins fail its types
         return qm.quant_matmul(x, qm.QuantWeight(q, scales, mins, w.bits), interpret=False)
 
-    text = jax.jit(fn).trace(x, w.q, w.scales, w.mins).lower(
-        lowering_platforms=("cuda",)).as_text()
+    from tests.cuda_lowering import cuda_lowering
+
+    with cuda_lowering():  # w (eager) was built above, outside
+        text = jax.jit(fn).trace(x, w.q, w.scales, w.mins).lower(
+            lowering_platforms=("cuda",)).as_text()
     assert "triton" in text.lower()
 
 
