@@ -151,35 +151,60 @@ def rotated(names: list, r: int) -> list:
     return names[k:] + names[:k]
 
 
-# ---- verdicts that can fail -----------------------------------------------------------------
+# ---- verdicts that can fail: the project's one rule ---------------------------------------
+# Sides alternate in paired rounds (MIN_ROUNDS or more where a run takes under 10 minutes); a
+# bar is "met" only when the worst round clears it, "not met" when the best round misses it,
+# "not separable" otherwise; "not slower" is a bound with a number (NOT_SLOWER).
+MIN_ROUNDS = 5
+NOT_SLOWER = 0.95
+RULE = ("met: the worst paired round clears the bar; not met: the best round misses it; "
+        "not separable: otherwise (experiments/common.py)")
+
+
 def spread(runs: list[float]) -> float:
     """Half the range of repeated runs: how far one run strays from the middle."""
     return (max(runs) - min(runs)) / 2 if runs else 0.0
 
 
 def target_verdict(runs: list[float], target: float, higher_is_better: bool = True) -> dict:
-    """"met" only when the median clears `target` by more than the runs' spread; "not met"
-    when it misses by more than that; otherwise "not separable" (a tie within the noise).
-    One run has no spread: its verdict says so."""
+    """The one rule on the per-round values of a target (module comment above). One run has
+    no spread: its verdict says so; fewer than MIN_ROUNDS are counted in `rounds`."""
     import statistics
 
-    med = statistics.median(runs)
-    margin = (med - target) if higher_is_better else (target - med)
-    s = spread(runs)
-    verdict = ("met" if margin > s else "not met" if margin < -s else "not separable")
+    worst, best = (min(runs), max(runs)) if higher_is_better else (max(runs), min(runs))
+    clears = (lambda v: v >= target) if higher_is_better else (lambda v: v <= target)
+    verdict = "met" if clears(worst) else "not met" if not clears(best) else "not separable"
     if len(runs) < 2:
         verdict += " (one run: no spread measured)"
-    return dict(median=med, target=target, margin=margin, spread=s, runs=list(runs),
-                verdict=verdict)
+    med = statistics.median(runs)
+    return dict(median=med, target=target, higher_is_better=higher_is_better,
+                margin=(med - target) if higher_is_better else (target - med),
+                worst=worst, best=best, spread=spread(runs), runs=list(runs),
+                rounds=len(runs), verdict=verdict)
+
+
+def round_ratios(ours: list[float], theirs: list[float]) -> list[float]:
+    """Per-round ratios of two sides' paired runs (higher is better); unpaired runs (another
+    count) give the two extreme ratios, the worst and the best any pairing could show."""
+    if len(ours) == len(theirs):
+        return [a / b for a, b in zip(ours, theirs, strict=True)]
+    return [min(ours) / max(theirs), max(ours) / min(theirs)]
+
+
+def not_slower(ours: list[float], theirs: list[float], bound: float = NOT_SLOWER) -> dict:
+    """"Not slower than" as a bound with a number: the per-round ratios against `bound`."""
+    return target_verdict(round_ratios(ours, theirs), bound)
 
 
 def compare(ours: list[float], theirs: list[float]) -> dict:
-    """Two sides' repeated runs (higher is better): the ratio of medians, and whether the
-    difference exceeds both sides' spreads added ("not separable" otherwise)."""
+    """Two sides' paired runs (higher is better): the ratio of the medians, and the one rule
+    against 1 on the per-round ratios: "higher" when every round is, "lower" when every round
+    is lower, "not separable" otherwise."""
     import statistics
 
     a, b = statistics.median(ours), statistics.median(theirs)
-    s = spread(ours) + spread(theirs)
-    verdict = "higher" if a - b > s else "lower" if b - a > s else "not separable"
-    return dict(ours=a, theirs=b, ratio=a / b if b else float("inf"), spread=s,
-                verdict=verdict)
+    ratios = round_ratios(ours, theirs)
+    verdict = ("higher" if min(ratios) > 1 else "lower" if max(ratios) < 1
+               else "not separable")
+    return dict(ours=a, theirs=b, ratio=a / b if b else float("inf"),
+                spread=spread(ours) + spread(theirs), round_ratios=ratios, verdict=verdict)

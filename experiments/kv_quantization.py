@@ -39,8 +39,9 @@ BLOCK = 16
 DTYPES = ("float32", "bfloat16", "int8", "fp8")
 
 
-SHAPE = dict(max_num_seqs=64, max_num_batched_tokens=512, decode_window=16, max_model_len=512,
-             enable_prefix_caching=False)  # one engine shape for every run here
+SHAPE = dict(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=512,
+             enable_prefix_caching=False)  # one engine shape for every run here; LLM's
+# default scheduling (async: a decode_window would turn it off, LLM refuses both at once)
 
 
 def memory(parts, budget: int, requests: int, prompt: int, out: int) -> list[dict]:

@@ -117,12 +117,14 @@ def main(argv: list[str] | None = None) -> dict:
         row["p99_over_p50_runs"] = [x["itl_p99"] / x["itl_p50"] for x in rs]
         row["max_preemptions"] = max(x["max_preemptions"] for x in rs)
         row["same_tokens"] = all(x["tokens"] == ref for x in rs)
-        row["target"] = common.target_verdict(row["p99_over_p50_runs"], 3.0,
-                                              higher_is_better=False)["verdict"]
+        # What the short requests feel while the long prompt prefills (an earlier target, p99
+        # under 3x p50, could not fail: the cap raises the p50 with the p99).
+        row["itl_during_over_before_runs"] = [x["itl_during"] / x["itl_before"] for x in rs]
+        row["itl_during_over_before"] = statistics.median(row["itl_during_over_before_runs"])
         rows.append(row)
     print(common.table(rows, ["cap", "itl_p50", "itl_p99", "p99_over_p50", "itl_during",
-                              "itl_before", "long_ttft", "max_preemptions", "same_tokens",
-                              "target"]))
+                              "itl_before", "itl_during_over_before", "long_ttft",
+                              "max_preemptions", "same_tokens"]))
     out = dict(limits=limits, long_tokens=len(long), shorts=a.shorts,
                short_tokens=a.short_tokens, arrive_after=ARRIVE_AFTER, rounds=a.rounds,
                rows=rows)

@@ -4,6 +4,8 @@
                                                 commit and date they were measured on
     python -m experiments.provenance --stale    only the tables whose results predate a change
                                                 to the code they measure (rerun those)
+    python -m experiments.provenance --targets  the README's table of every target and the
+                                                verdict word its file holds
 
 The README quotes results inside blocks that name their files (and goals inside
 `<!-- targets -->` ... `<!-- /targets -->`):
@@ -12,10 +14,10 @@ The README quotes results inside blocks that name their files (and goals inside
     ...numbers quoted from that file...
     <!-- /results -->
 
-`tests/test_readme.py` checks that every number inside a block appears in its files (as
-written there, or rounded to the digits shown, or as a percentage of a fraction), that every
-file exists with its provenance, that `make experiments` produces it, and that the rest of
-the README quotes no measurement.
+`tests/test_readme.py` checks that every number inside a block is traced to its files (read
+whole with its unit, at the precision shown: experiments/readme_numbers.py), that every file
+exists with its provenance, that `make experiments` (or, for a GPU's results, its make
+target) produces it, and that the rest of the README quotes no measurement.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"<!-- results: (?P<files>[^>]*?) -->(?P<body>.*?)<!-- /results -->", re.S)
 # Targets, not results: goals an experiment is measured against (e.g. the GPU table's bounds).
 TARGETS = re.compile(r"<!-- targets -->.*?<!-- /targets -->", re.S)
-NUMBER = re.compile(r"(?<![\w.])-?\d[\d,]*(?:\.\d+)?(?![\w])")
 # The experiment module that writes each results file (results/<name>.json <- experiments/<name>)
 WRITERS = {"headline_memory": "headline", "headline_latency": "headline",
            "headline_bench": "headline"}
+# Results made on a GPU machine by a make target, not by `make experiments` (which runs here).
+GPU_WRITERS = {"gpu_check": "gpu-check"}
 
 
 def blocks(readme: str) -> list[tuple[list[str], str]]:
@@ -58,38 +61,49 @@ def writer(path: str) -> str:
     return "bench" if stem.startswith("bench_") and stem != "bench_serving" else stem
 
 
-def values(obj) -> list[float]:
-    """Every number in a results file: numeric leaves and numbers inside strings."""
-    if isinstance(obj, dict):
-        return [v for x in obj.values() for v in values(x)]
-    if isinstance(obj, list):
-        return [v for x in obj for v in values(x)]
-    if isinstance(obj, bool) or obj is None:
-        return []
-    if isinstance(obj, int | float):
-        return [float(obj)]
-    return [float(n.replace(",", "")) for n in NUMBER.findall(str(obj))]
-
-
-def traced(shown: str, pool: list[float]) -> bool:
-    """Whether a number as shown (e.g. "253", "1.93", "79") is some value of `pool` rounded
-    to the digits shown, or that value as a percentage."""
-    text = shown.replace(",", "")
-    digits = len(text.split(".")[1]) if "." in text else 0
-    want = float(text)
-    tol = 0.5 * 10 ** -digits + 1e-9
-    return any(abs(v - want) <= tol or abs(100 * v - want) <= tol or abs(abs(v) - want) <= tol
-               for v in pool)
-
-
 def untraced(readme: str) -> list[str]:
-    """Numbers inside results blocks that no value of their files accounts for."""
+    """Numbers inside results blocks that their files do not account for, read whole with
+    their units and traced at the precision shown (experiments/readme_numbers.py)."""
+    from experiments.readme_numbers import Pool
+    from experiments.readme_numbers import untraced as block_untraced
+
     bad = []
     for files, body in blocks(readme):
-        pool = [v for f in files for v in values(json.loads((ROOT / f).read_text()))]
-        bad += [f"{n} (in a block from {', '.join(files)})" for n in NUMBER.findall(body)
-                if not traced(n, pool)]
+        pool = Pool([json.loads((ROOT / f).read_text()) for f in files])
+        bad += [f"{n} (in a block from {', '.join(files)})" for n in block_untraced(body, pool)]
     return bad
+
+
+TARGETS_BLOCK = re.compile(r"<!-- targets table -->\n(?P<table>.*?)<!-- /targets table -->", re.S)
+
+
+def verdict_rows(path: str) -> list[tuple[str, str]]:
+    """(target, verdict word) of every target a results file holds, in its order: a
+    `verdict` as written, else `met` as met / not met (sliding_window_kv's `*_met` flags)."""
+    data = json.loads((ROOT / path).read_text())
+    raw = data.get("targets")
+    items = ([(t["target"], t) for t in raw] if isinstance(raw, list)
+             else list(raw.items()) if isinstance(raw, dict) else [])
+    rows = []
+    for name, t in items:
+        if isinstance(t, dict) and "verdict" in t:
+            rows.append((name, t["verdict"]))
+        elif isinstance(t, dict) and isinstance(t.get("met"), bool):
+            rows.append((name, "met" if t["met"] else "not met"))
+        elif isinstance(t, bool) and (name.endswith("_met") or name.startswith("met_")):
+            rows.append((name.removesuffix("_met").removeprefix("met_"),
+                         "met" if t else "not met"))
+    return rows
+
+
+def targets_table(readme: str) -> str:
+    """The README's table of every target of the files it quotes, with the verdict word
+    each file holds (`python -m experiments.provenance --targets` prints it)."""
+    files = sorted({f for fs, _ in blocks(readme) for f in fs})
+    lines = ["| results file | target | verdict |", "|---|---|---|"]
+    for f in files:
+        lines += [f"| {f} | {name} | {word} |" for name, word in verdict_rows(f)]
+    return "\n".join(lines) + "\n"
 
 
 def stale(path: str) -> list[str]:
@@ -107,8 +121,13 @@ def stale(path: str) -> list[str]:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stale", action="store_true", help="only tables to rerun")
+    ap.add_argument("--targets", action="store_true",
+                    help="print the README's table of every target and its verdict")
     a = ap.parse_args(argv)
     readme = (ROOT / "README.md").read_text()
+    if a.targets:
+        print(targets_table(readme), end="")
+        return []
     rows = []
     for files, _ in blocks(readme):
         for f in files:

@@ -35,8 +35,9 @@ def saving(run: sv.Run) -> float:
 
 def beam_rows(parts, cfg: dict, items, widths, progress=None) -> list[dict]:
     """Peak KV blocks of beam search vs W private beams, per width."""
+    # No decode_window: beam search runs no windows, and LLM's default (async) applies.
     keys = ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
-            "max_model_len", "decode_window", "enable_prefix_caching")
+            "max_model_len", "enable_prefix_caching")
     llm = LLM(model_parts=parts, **{k: cfg[k] for k in keys})
     bs, rows = cfg["block_size"], []
     for w in widths:

@@ -156,11 +156,12 @@ def mean_running(run: Run) -> float:
 
 def roof(run: Run, parts) -> dict:
     """The roofline line of a run: achieved GB/s (weights + cached K/V read per step) and its
-    share of the machine's measured copy bandwidth (results/bandwidth.json)."""
-    from experiments import common
-    from paged_jax.study.metrics import machine_bandwidth, roofline
+    share of the copy bandwidth measured in this run (a cached figure from another machine
+    would be the wrong limit)."""
+    from paged_jax.study.metrics import measure_bandwidth, roofline
 
-    r = roofline(run.stats, run.snapshots, parts[1], parts[0],
-                 machine_bandwidth(common.RESULTS))
+    bandwidth = measure_bandwidth()
+    r = roofline(run.stats, run.snapshots, parts[1], parts[0], bandwidth)
     return dict(achieved_GBps=r["achieved_bytes_per_s"] / 1e9,
-                fraction_of_bandwidth=r["fraction_of_bandwidth"])
+                fraction_of_bandwidth=r["fraction_of_bandwidth"],
+                bandwidth_GBps=bandwidth / 1e9)

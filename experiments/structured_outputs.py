@@ -333,10 +333,9 @@ def speed_part(llm, tok, vocab_size: int, a, out: dict) -> None:
 
 def targets(out: dict) -> dict:
     """The issue's: every output valid on every model; constrained >= 0.9x unconstrained at
-    batch 16 and 64 (the per-round ratios' median above 0.9 by more than their half-range);
-    a new schema adds <= 50 ms to TTFT (the per-round differences' median under 50 ms by
-    more than their half-range); a cached one nothing measurable (its per-round
-    differences' median above 0 by no more than their half-range)."""
+    batch 16 and 64 (per-round ratios); a new schema adds <= 50 ms to TTFT and a cached one
+    nothing (<= 0 ms) (per-round differences): each by the one rule (common.target_verdict:
+    met when the worst round clears the bar, not met when the best round misses it)."""
     t = {f"valid {m}": dict(rate=v["rate"], verdict="met" if v["rate"] == 1 else "not met")
          for m, v in out["validity"].items()}
     for row in out["speed"]:
@@ -349,8 +348,7 @@ def targets(out: dict) -> dict:
             verdict=out["ttft"]["new_schema"]["verdict"])
         c = out["ttft"]["cached_schema"]  # its per-round differences against 0
         t["cached schema adds nothing measurable"] = dict(
-            added_ms=c["median"], spread=c["spread"],
-            verdict="not met" if c["verdict"] == "not met" else "met")
+            added_ms=c["median"], rounds_ms=c["runs"], verdict=c["verdict"])
     return t
 
 
