@@ -9,6 +9,10 @@ the same terms, with the machine's limit on every row.
 Sides (each where installed; `make peers` builds vLLM's and llama.cpp's venvs):
   ours        paged-jax `LLM.generate`, float32 (its "auto" dtype on CPU)
   ours-xla    the same with matmul_backend="xla" (XLA's dot instead of the C++ kernel)
+  ours-bf16   paged-jax with bfloat16 weights (the float32 weights rounded: bfloat16 panels
+              in the C++ kernel, float32 activations, bfloat16 K/V)
+  ours-int8   paged-jax, quantization="int8" (weight-only; a 4-bit GGUF tensor keeps its codes)
+  ours-int4   paged-jax, quantization="int4" (W4A8)
   hf          transformers `generate()`, float32 and bfloat16, one static batch per run
   vllm        vLLM's CPU build (offline `LLM.generate`), float32 and bfloat16
   llamacpp    llama.cpp (llama-cpp-python) on the same GGUF, computing with its own weight
@@ -27,8 +31,9 @@ blocks, 1 GiB of KV cache, prefix caching off except in the prefix row. Every si
 row once per round, in an order that rotates each round (a warm-up run first compiles or
 loads what it needs: the whole row for paged-jax, whose programs are compiled per shape, and
 a few tokens for the peers); each reports the median of its rounds and their spread (half the
-range). A ratio to ours is "not separable" when the two medians differ by less than their
-spreads added. Writes results/bench[_MODEL].json with provenance.
+range). A side against ours is "higher" / "lower" only when it is so in every round, "not
+separable" otherwise (the one rule: experiments/common.py). Writes results/bench[_MODEL].json
+with provenance.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ ROWS = {"batch 1": (1, 64, False), "batch 16": (16, 64, False), "batch 64": (64,
 EXTRA_ROWS = {"batch 8": (8, 32, False)}  # `make run`'s short comparison
 WARMUP_TOKENS = 4  # a peer's warm-up run: loads, allocates, fills its prefix cache
 QUICK_ROWS = {"batch 1": (1, 8, False), "batch 16": (4, 8, False), "prefix": (4, 8, True)}
+
 
 
 class Ours:
@@ -92,9 +98,12 @@ class Ours:
         t0 = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         seconds = time.perf_counter() - t0
-        busy, device = sum(s.duration for s in steps), sum(s.device for s in steps)
+        # The host's share: the caller thread's time not blocked reading the device, per
+        # step wall time (under async scheduling a step's send-to-read interval spans the
+        # next step's, so 1 - that / wall went negative: results before this fix).
+        busy, wait = sum(s.duration for s in steps), sum(s.wait for s in steps)
         return dict(seconds=seconds, tokens=[o.outputs[0].token_ids for o in outs],
-                    host_share=1 - device / busy if busy else 0.0)
+                    host_share=1 - wait / busy if busy else 0.0)
 
     def close(self) -> None:
         pass
@@ -140,6 +149,9 @@ class Peer:
 
 def make_sides(names: list[str], model: str, parts, caching: bool = True,
                hf_dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> list:
+    import jax
+    import jax.numpy as jnp
+
     """The sides asked for that are installed here (a missing peer is reported, not fatal);
     the prefix-caching ones only when a row caches (`caching`: each holds its own copy of the
     model, which a 1.5B's float32 weights make 7 GB)."""
@@ -148,6 +160,12 @@ def make_sides(names: list[str], model: str, parts, caching: bool = True,
         sides += [Ours(parts, False)] + ([Ours(parts, True)] if caching else [])
     if "ours-xla" in names:
         sides.append(Ours(parts, False, matmul="xla"))
+    if "ours-bf16" in names:
+        bf16 = (parts[0], jax.tree.map(lambda x: x.astype(jnp.bfloat16), parts[1]), parts[2])
+        sides.append(Ours(bf16, False, name="paged-jax bfloat16", dtype="bfloat16"))
+    for q in ("int8", "int4"):
+        if f"ours-{q}" in names:
+            sides.append(Ours(parts, False, name=f"paged-jax {q}", quantization=q))
     if "hf" in names:
         pad = parts[2].eos_token_ids[0]
         sides += [HF(model, d, pad) for d in hf_dtypes]
@@ -226,14 +244,15 @@ def limits(parts, rows: dict, work: dict) -> dict:
     config, params = parts[0], parts[1]
     bw = measure_bandwidth()
     forms = {"xla": prepare_params(params)}
-    if matmul_backend(None, forms["xla"]["embed"].dtype) == "cpu":
-        forms["cpu"] = pack_params(forms["xla"])
+    dtype = forms["xla"]["embed"].dtype  # each precision's own limit: its bytes, its panels
+    if matmul_backend(None, dtype) == "cpu":
+        forms["cpu"] = pack_params(forms["xla"], str(np.dtype(dtype)))
     steps: dict[int, dict] = {}  # one chain per batch size (batch 16 and prefix share it)
     out = {}
     for r, (n, tokens, _) in rows.items():
         if n == 1:
             ctx = len(work[r][0]) + tokens / 2
-            per_token = weight_bytes(params) + ctx * kv_bytes_per_token(config, np.float32)
+            per_token = weight_bytes(params) + ctx * kv_bytes_per_token(config, dtype)
             out[r] = dict(kind="bandwidth roofline", tok_s=bw / per_token,
                           bytes_per_s=bw, bytes_per_token=per_token)
         else:
@@ -285,8 +304,10 @@ def chain_seconds(params, batch: int, repeats: int = 10) -> float:
     return best
 
 
-def summarize(sides: list, rows: dict, m: dict, lim: dict) -> list[dict]:
-    """One entry per row and side: median tok/s, spread, ratio to ours, agreement."""
+def summarize(sides: list, rows: dict, m: dict, lims: dict) -> list[dict]:
+    """One entry per row and side: median tok/s, spread, ratio to ours, agreement, and the
+    limit of the side's precision (`lims` by weight type: bfloat16 sides beside bfloat16's;
+    the integer sides beside float32's, named so)."""
     table = []
     for r, (n, tokens, caching) in rows.items():
         ours_name = "paged-jax float32" + (" +prefix cache" if caching else "")
@@ -295,7 +316,9 @@ def summarize(sides: list, rows: dict, m: dict, lim: dict) -> list[dict]:
             if s.name not in m["runs"][r]:
                 continue
             tps = [n * tokens / x["seconds"] for x in m["runs"][r][s.name]]
-            entry = dict(row=r, side=s.name, batch=n, tokens=tokens,
+            precision = "bfloat16" if "bfloat16" in s.name and "bfloat16" in lims else "float32"
+            lim = lims[precision]
+            entry = dict(row=r, side=s.name, batch=n, tokens=tokens, limit_precision=precision,
                          tok_s=statistics.median(tps), spread=common.spread(tps), runs=tps,
                          limit_tok_s=lim[r]["tok_s"], limit=lim[r]["kind"],
                          share_of_limit=statistics.median(tps) / lim[r]["tok_s"],
@@ -312,6 +335,46 @@ def summarize(sides: list, rows: dict, m: dict, lim: dict) -> list[dict]:
     return table
 
 
+PEERS = {"vLLM": ("vLLM float32", "vLLM bfloat16"), "llama.cpp": ("llama.cpp (GGUF weights)",),
+         "HF": ("HF generate() float32", "HF generate() bfloat16")}
+PEER_DEFAULTS = {"vLLM": "vLLM bfloat16", "llama.cpp": "llama.cpp (GGUF weights)",
+                 "HF": "HF generate() float32"}  # what each runs when a user sets nothing
+
+
+def default_side(model: str, parts) -> str:
+    """The side `LLM(model)` with nothing set runs on this machine (paged_jax/precision.py:
+    bfloat16 where this CPU's check keeps the model's quality, else float32)."""
+    from paged_jax import precision
+    from paged_jax.models import model_path
+
+    key = precision.checkpoint_key(model_path(model), model)
+    return f"paged-jax {precision.choose(parts[0], parts[1], parts[2], key)['dtype']}"
+
+
+def versus(table: list[dict], ours_default: str) -> list[dict]:
+    """Per row (prefix caching off), our fastest side against each peer's fastest, and our
+    default against the peer's default: the ratio of medians and the one rule's verdict on
+    the paired rounds (each round ran every side)."""
+    out = []
+    for r in dict.fromkeys(e["row"] for e in table if e["row"] != "prefix"):
+        got = {e["side"]: e for e in table if e["row"] == r}
+        ours = [e for n, e in got.items() if n.startswith("paged-jax") and "prefix" not in n]
+        for peer, names in PEERS.items():
+            theirs = [got[n] for n in names if n in got]
+            if not ours or not theirs:
+                continue
+            pairs = {"best": (max(ours, key=lambda e: e["tok_s"]),
+                              max(theirs, key=lambda e: e["tok_s"]))}
+            if ours_default in got and PEER_DEFAULTS[peer] in got:
+                pairs["default"] = (got[ours_default], got[PEER_DEFAULTS[peer]])
+            for kind, (a, b) in pairs.items():
+                cmp = common.compare(a["runs"], b["runs"])
+                out.append(dict(row=r, peer=peer, kind=kind, ours=a["side"], theirs=b["side"],
+                                ratio=cmp["ratio"], round_ratios=cmp["round_ratios"],
+                                verdict=cmp["verdict"]))
+    return out
+
+
 def report(rows: list[dict], sides: list) -> str:
     lines = ["| row | side | tok/s (median, +-spread) | ours / side | limit | share of limit |",
              "|---|---|---|---|---|---|"]
@@ -319,7 +382,7 @@ def report(rows: list[dict], sides: list) -> str:
         ratio = (f"{e['ours_over_side']:.2f}x ({e['verdict']})" if "ours_over_side" in e
                  else "")
         lines.append(f"| {e['row']} | {e['side']} | {e['tok_s']:.1f} +-{e['spread']:.1f} | "
-                     f"{ratio} | {e['limit']} {e['limit_tok_s']:.0f} | "
+                     f"{ratio} | {e['limit']} ({e['limit_precision']}) {e['limit_tok_s']:.0f} | "
                      f"{e['share_of_limit']:.0%} |")
     lines.append("\nSettings per side:")
     lines += [f"  {s.name}: {s.settings}" for s in sides]
@@ -330,7 +393,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--sides", nargs="+", default=["ours", "ours-xla", "hf", "vllm", "llamacpp"])
+    ap.add_argument("--sides", nargs="+", default=["ours", "ours-xla", "ours-bf16", "ours-int8",
+                                                    "ours-int4", "hf", "vllm", "llamacpp"])
     ap.add_argument("--rows", nargs="+", default=list(ROWS),
                     help=f"rows to run, of {list(ROWS) + list(EXTRA_ROWS)}")
     ap.add_argument("--name", default=None, help="results file name (default: bench[_MODEL])")
@@ -349,13 +413,17 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         for s in sides:
             s.close()
-    lim = limits(parts, rows, m["work"])
+    lim = {"float32": limits(parts, rows, m["work"])}
+    if any("bfloat16" in s.name for s in sides):  # bfloat16 sides beside their own limit
+        lim["bfloat16"] = limits(sv.real_model("bfloat16", a.model), rows, m["work"])
     table = summarize(sides, rows, m, lim)
     extra = {k: v for s in sides for k, v in s.versions.items()}
     payload = dict(config=dict(model=a.model, rounds=a.rounds, rows={r: dict(
         batch=n, tokens=t, prefix_caching=c) for r, (n, t, c) in rows.items()},
         limits=LIMITS, greedy=True, ignore_eos=True),
-        sides={s.name: s.settings for s in sides}, limits=lim, rows=table)
+        sides={s.name: s.settings for s in sides}, limits=lim["float32"], limits_by_precision=lim,
+        rows=table,
+        default=default_side(a.model, parts), versus=versus(table, default_side(a.model, parts)))
     name = a.name or ("bench" + ("" if a.model == "smollm2" else f"_{a.model}")
                       + ("_quick" if a.quick else ""))
     payload["json"] = str(common.save_json(name, payload, extra))

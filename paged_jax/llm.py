@@ -23,6 +23,7 @@ from paged_jax.cache.kv_cache import kv_cache_bytes
 from paged_jax.engine import Engine, EngineConfig
 from paged_jax.engine.balance import Balancer
 from paged_jax.engine.beam_search import beam_search
+from paged_jax.engine.config import scheduling
 from paged_jax.engine.input import prompt_ids
 from paged_jax.engine.speculative import SpeculativeConfig
 from paged_jax.models import Tokenizer, load_model, parallel
@@ -34,14 +35,55 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def resolve_dtype(dtype: str) -> str:
-    """"auto" is the fastest correct choice for the platform: bfloat16 on accelerators;
-    float32 on CPU, where XLA's bf16 dots and conversions run 2-6x slower than fp32 ones
-    (`make bench` measures it), so bf16 checkpoints are served exactly upcast to fp32."""
+    """The dtype a checkpoint is loaded in: "auto" is bfloat16 on accelerators and float32
+    on CPU, where `LLM` then checks whether this CPU's bfloat16 path (C++ matmuls on
+    bfloat16 weights) keeps the checkpoint's quality, and runs it if so
+    (paged_jax/precision.py)."""
     if dtype == "auto":
         return "float32" if jax.default_backend() == "cpu" else "bfloat16"
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
     return dtype
+
+
+def positive(**values) -> None:
+    """Each value a positive integer, or a ValueError naming it."""
+    for name, value in values.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def model_len(asked: int | None, config) -> int:
+    """max_model_len: as asked (within the model's positions), else up to 2048."""
+    got = asked or min(config.max_position_embeddings, 2048)
+    if got > config.max_position_embeddings:
+        raise ValueError(f"max_model_len={got} exceeds the model's "
+                         f"max_position_embeddings={config.max_position_embeddings}")
+    return got
+
+
+def _choose_dtype(asked: str, dtype: str, model: str, model_parts, quantization, config,
+                  params, tok) -> tuple[dict, dict]:
+    """What runs and why (LLM.dtype_choice), and the params in it: the precision check for
+    "auto" on CPU when LLM loads the checkpoint itself (paged_jax/precision.py), else the
+    dtype as resolved."""
+    if asked != "auto":
+        return dict(dtype=dtype, reason="asked for"), params
+    if model_parts is not None or quantization or jax.default_backend() != "cpu":
+        return dict(dtype=dtype, reason="the platform's default" + (
+            " (weights given or quantized: no precision check)" if model_parts or
+            quantization else "")), params
+    from paged_jax import precision
+    from paged_jax.models.loader import model_path
+
+    try:
+        path = model_path(model)
+    except (ValueError, FileNotFoundError, OSError):
+        path = None
+    choice = precision.choose(config, params, tok, precision.checkpoint_key(path, model))
+    if choice["dtype"] != dtype:
+        params = jax.tree.map(lambda x: x.astype(DTYPES[choice["dtype"]]), params)
+    return choice, params
 
 
 def own_tokenizer(path: str, config) -> Tokenizer:
@@ -147,8 +189,12 @@ class LLM:
         "bfloat16" (weights, activations and, unless kv_cache_dtype says otherwise, KV).
       seed: engine seed for requests without their own.
       preemption_mode: "recompute" or "swap".
-      decode_window: decode steps per device call when only decodes run.
-      attention_backend: "reference", "pallas" or "cpu"; None picks by platform.
+      decode_window: decode steps per device call when only decodes run, without async
+        scheduling (default 8 there); under async scheduling every step is delivered and
+        engine_config records 1. An explicit value > 1 turns the default async scheduling
+        off; beside async_scheduling=True it is refused (`scheduling`).
+      attention_backend: "reference", "pallas" (or "pallas-triton" / "pallas-mosaic", which
+        force decode's GPU kernel) or "cpu"; None picks by platform.
       matmul_backend: "cpu" (the C++ CPU matmul kernel on packed weights; float32 on CPU
         devices) or "xla"; None: "cpu" where it applies (EngineConfig.matmul_backend).
       quantization: None, "int8" or "int4": weight-only, with group scales, on the CPU matmul
@@ -175,8 +221,9 @@ class LLM:
         kind of call instead of one per bucket): compiles less, computes more on small steps.
       async_scheduling: plan and send each step while the device runs the one before (vLLM's
         name); every step's tokens are delivered as read (no decode windows). Same tokens.
-        On by default: offline it is at least as fast as decode windows (README, "Async
-        scheduling offline"); False brings the windows back.
+        None (default): on, unless decode_window > 1 or speculative_config is given: offline
+        it is at least as fast as decode windows (README, "Async scheduling offline");
+        False brings the windows back.
       long_prefill_token_threshold: the most tokens of one prompt a step prefills (vLLM's
         name); 0 = all the budget left after the decodes. Caps how long a step takes while
         a long prompt prefills beside running decodes.
@@ -185,8 +232,9 @@ class LLM:
         (engine/speculative.py), or {"model": path or short name, "num_speculative_tokens":
         k}: a draft model over the same vocabulary (engine/draft.py; its K/V share the
         pool's blocks and kv_cache_memory). Turns async_scheduling off (drafts continue the
-        tokens of the step before). Greedy output is plain decoding's; sampled output has
-        the target's distribution (rejection sampling).
+        tokens of the step before; async_scheduling=True beside it is refused). Greedy
+        output is plain decoding's; sampled output has the target's distribution
+        (rejection sampling).
       model_parts: (config, params, tokenizer) to use instead of loading `model`.
       draft_model_parts: (config, params, tokenizer) of the draft model instead of loading
         speculative_config's `model`.
@@ -201,41 +249,40 @@ class LLM:
         self, model: str | None = None, *, block_size: int = 16, num_kv_blocks: int | None = None,
         kv_cache_memory: int = 1 << 30, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
         max_model_len: int | None = None, dtype: str = "auto", seed: int = 0,
-        preemption_mode: str = "recompute", decode_window: int = 8,
+        preemption_mode: str = "recompute", decode_window: int | None = None,
         attention_backend: str | None = None, matmul_backend: str | None = None,
         quantization: str | None = None, max_logprobs: int = 20, model_parts=None,
         enable_prefix_caching: bool = True, tokenizer: str | None = None,
         swap_space: float = 4, gpu_memory_utilization: float | None = None,
         kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
         data_parallel_size: int = 1, static_shapes: bool = False,
-        async_scheduling: bool = True, long_prefill_token_threshold: int = 0,
+        async_scheduling: bool | None = None, long_prefill_token_threshold: int = 0,
         speculative_config: dict | None = None, draft_model_parts=None,
         hybrid_kv_cache: bool | None = None, **unsupported,
     ):
         if unsupported:
             raise TypeError(f"LLM() got unsupported arguments: {sorted(unsupported)}")
-        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("decode_window", decode_window),
-                            ("tensor_parallel_size", tensor_parallel_size),
-                            ("data_parallel_size", data_parallel_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        positive(block_size=block_size, max_num_seqs=max_num_seqs,
+                 max_num_batched_tokens=max_num_batched_tokens,
+                 tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size)
         speculative = SpeculativeConfig.of(speculative_config)  # fails before loading
-        dtype = resolve_dtype(dtype)
-        kv_dtype = kv_quant.storage_dtype(kv_cache_dtype, DTYPES[dtype])  # fails before loading
+        decode_window, async_scheduling = scheduling(decode_window, async_scheduling,
+                                                     speculative)
+        asked, dtype = dtype, resolve_dtype(dtype)
+        kv_quant.storage_dtype(kv_cache_dtype, DTYPES[dtype])  # fails before loading
         t0 = time.perf_counter()
         config, params, tok = model_parts or load_model(model, DTYPES[dtype])
         if tokenizer is not None:
             tok = own_tokenizer(tokenizer, config)
-        draft = load_draft(speculative, draft_model_parts, tok, DTYPES[dtype])
+        self.dtype_choice, params = _choose_dtype(asked, dtype, model, model_parts,
+                                                  quantization, config, params, tok)
+        dtype = DTYPES[self.dtype_choice["dtype"]]
+        kv_dtype = kv_quant.storage_dtype(kv_cache_dtype, dtype)
+        draft = load_draft(speculative, draft_model_parts, tok, dtype)
         self.load_time = time.perf_counter() - t0
-        if gpu_memory_utilization is not None:
+        if gpu_memory_utilization is not None:  # on a GPU: a share of its free memory
             kv_cache_memory = memory_for_kv(gpu_memory_utilization, params)
-        max_model_len = max_model_len or min(config.max_position_embeddings, 2048)
-        if max_model_len > config.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                             f"max_position_embeddings={config.max_position_embeddings}")
+        max_model_len = model_len(max_model_len, config)
         groups = kv_groups_for(config, hybrid_kv_cache, enable_prefix_caching, speculative)
         if num_kv_blocks is None:  # kv_cache_memory is per device: what one device holds
             num_kv_blocks = max(2, kv_cache_memory // block_bytes(
@@ -249,13 +296,13 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, swap_space=int(swap_space * (1 << 30)),
             kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size,
             static_shapes=static_shapes, speculative=speculative,
-            async_scheduling=async_scheduling and speculative is None,  # drafts need sync
+            async_scheduling=async_scheduling,
             long_prefill_token_threshold=long_prefill_token_threshold, kv_groups=groups)
         self.replicas = [Engine(config, params, tok, dataclasses.replace(
             self.engine_config, first_device=i * tensor_parallel_size), draft=draft)
             for i in range(data_parallel_size)]
         self.llm_engine, self._counter = self.replicas[0], 0
-        self.balancer = Balancer(self.replicas, "least_tokens") if data_parallel_size > 1 else None
+        self.balancer = data_parallel_size > 1 and Balancer(self.replicas, "least_tokens") or None
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -54,7 +54,7 @@ def _bounded_jit_mappings():
 SLOW_MODULES = {
     "test_models_gemma3.py", "test_models_smollm2.py", "test_engine_gemma3.py",
     "test_experiments.py", "test_shared_prefix_experiment.py", "test_bench_serving.py",
-    "test_distributed.py", "test_serve_routed.py",
+    "test_serve_routed.py",
 }
 SLOW_TESTS = {
     "test_hybrid_state_machine.py": {"test_ten_thousand_operations"},
@@ -77,8 +77,6 @@ SLOW_TESTS = {
                                   "test_decode_kernel_matches_reference_deep"},
     "test_cpu_attention.py": {"test_quantized_pages_match_the_reference_deep"},
     "test_async_scheduling.py": {"test_preemption_gives_the_same_tokens[swap]"},
-    "test_hidden_states.py": {"test_hidden_state_survives_preemption",
-                              "test_hidden_state_under_tensor_parallelism"},
     "test_kv_quant_engine.py": {"test_int8_reference_backend_gives_the_same_tokens"},
     "test_speculative.py": {"test_sampled_distribution_matches_plain_decoding_chi_square",
                             "test_seeded_sampling_stop_strings_and_max_tokens_are_identical",

@@ -94,16 +94,23 @@ def test_window_kernels_lower_for_triton(dtype):
     spec = jax.ShapeDtypeStruct
     kv = spec((h, nseq * pages + 1, block, d), dtype)
     tables, lens = spec((nseq, pages), jnp.int32), spec((nseq,), jnp.int32)
-    for variant in ("grouped", "split", "dot"):
-        fn = functools.partial(decode_attention, variant=variant, num_splits=2, window=40,
-                               interpret=False)
-        jax.jit(fn).trace(spec((nseq, nq, d), dtype), kv, kv, tables, lens).lower(
-            lowering_platforms=("cuda",))
-    for variant in ("grouped", "dot"):
-        fn = functools.partial(ragged_paged_attention, max_q=16, variant=variant, window=40,
-                               interpret=False)
-        jax.jit(fn).trace(spec((nseq * 16, nq, d), dtype), kv, kv, tables, lens,
-                          spec((nseq + 1,), jnp.int32)).lower(lowering_platforms=("cuda",))
+    from tests.cuda_lowering import cuda_lowering
+    from tests.test_kernels import assert_one_triton_kernel
+
+    with cuda_lowering():
+        for variant in ("grouped", "split", "dot"):
+            fn = functools.partial(decode_attention, variant=variant, num_splits=2, window=40,
+                                   interpret=False)
+            text = jax.jit(fn).trace(spec((nseq, nq, d), dtype), kv, kv, tables, lens).lower(
+                lowering_platforms=("cuda",)).as_text()
+            assert_one_triton_kernel(text, f"paged_decode_{variant}")
+        for variant in ("grouped", "dot"):
+            fn = functools.partial(ragged_paged_attention, max_q=16, variant=variant, window=40,
+                                   interpret=False)
+            text = jax.jit(fn).trace(spec((nseq * 16, nq, d), dtype), kv, kv, tables, lens,
+                                     spec((nseq + 1,), jnp.int32)).lower(
+                lowering_platforms=("cuda",)).as_text()
+            assert_one_triton_kernel(text, f"ragged_paged_attention_{variant}")
 
 
 def test_gpu_check_validates_windows():
@@ -113,4 +120,6 @@ def test_gpu_check_validates_windows():
     from kernels.gpu_validate import validate_window
 
     rows = validate_window(jax.random.PRNGKey(1), nseq=2)
-    assert len(rows) == 5 and all(r["ok"] for r in rows), rows
+    # five Triton decode cases, two ragged variants, Mosaic GPU with one split and two
+    assert len(rows) == 9 and all(r["ok"] for r in rows), rows
+    assert {r["variant"] for r in rows if r["kind"] == "decode"} >= {"dot c2", "mosaic x2 w40"}

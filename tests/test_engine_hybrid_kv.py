@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from paged_jax.cache.groups import plan_groups
+from paged_jax.engine.beam_search import beam_search
+from paged_jax.engine.speculative import SpeculativeConfig
 from paged_jax.llm import LLM, kv_groups_for
 from paged_jax.models.testing import byte_tokenizer, random_params, tiny_gemma3_config
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
@@ -100,6 +102,45 @@ def test_forced_preemption_loses_nothing(one_group, mode):
     for rid, *_ in requests(12):
         assert tokens(outs, rid) == tokens(one_group, rid), rid
     assert all_free(eng)
+
+
+NGRAM = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=4)
+
+
+def test_speculation_under_preemption_matches_one_group(one_group):
+    """n-gram speculation in a pool too small for every request (the fast tier's check of
+    the slow test below): verify steps roll back, preempted sequences come back, and the
+    windows still slide over the right blocks: one group's plain tokens."""
+    eng = engine(True, num_kv_blocks=40, max_num_batched_tokens=16, speculative=NGRAM)
+    assert eng.config.cache.num_groups > 1
+    outs = run(eng, requests(12), check=True)
+    assert eng.scheduler.num_preempted > 0, "the small cache should force preemption"
+    c = eng.scheduler.spec
+    assert 0 < c.num_accepted_tokens < c.num_draft_tokens, "drafts kept and rolled back"
+    for rid, *_ in requests(12):
+        assert tokens(outs, rid) == tokens(one_group, rid), rid
+    assert all_free(eng)
+
+
+def test_parallel_samples_and_beams_match_one_group():
+    """n = 3 (forks in a step) and beam search (forks as ops, copy-on-write), one request
+    each on the tests' static shapes (the fast tier's check of the slow test below): the
+    tokens and scores of one group."""
+    prompt = SHARED + "tell me more, tell me more"
+    sp = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+    beam = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
+    got, scores = {}, {}
+    for hybrid in (True, False):
+        eng = engine(hybrid)
+        assert (eng.config.cache.num_groups > 1) == hybrid
+        samples = tokens(run(eng, [("n3", prompt, sp)], check=True), "n3")
+        out, _ = beam_search(eng, prompt, beam)
+        got[hybrid] = samples, [b.tokens for b in out.sequences]
+        scores[hybrid] = [b.cum_logprob for b in out.sequences]
+        assert len(set(map(tuple, samples))) > 1, "three samples, not one copied"
+        assert all_free(eng)
+    assert got[True] == got[False]
+    np.testing.assert_allclose(scores[True], scores[False], atol=1e-4)
 
 
 def llm(hybrid: bool, **kw) -> LLM:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 
@@ -163,7 +164,9 @@ def test_long_prompt_runs_both_caps_with_the_same_tokens():
     assert set(rows) == {0, 32} and rows[32]["same_tokens"]  # the cap moves timing only
     for r in rows.values():
         assert r["itl_p50"] > 0 and r["long_ttft"] > 0 and r["max_preemptions"] == 0
-        assert r["target"].split(" (")[0] in ("met", "not met", "not separable")
+        # the short requests' ITL while the long prompt prefills, against before it came
+        assert r["itl_during_over_before"] == pytest.approx(
+            statistics.median(r["itl_during_over_before_runs"]))
 
 
 def test_weight_quantization_reports_every_side_and_target():
@@ -179,7 +182,10 @@ def test_weight_quantization_reports_every_side_and_target():
     assert sides["int4"]["bytes_per_param"] < sides["int8"]["bytes_per_param"] < 1.2
     for s in sides.values():
         assert s["batch 1"]["tok_s"] > 0 and 1 < s["perplexity"] < 1000
-    assert all(isinstance(t["met"], bool) for t in data["targets"])
+    for t in data["targets"]:  # a verdict word each; "met" None only where it cannot fail
+        word = t["verdict"].removesuffix(" (one run: no spread measured)")  # --quick: 1 round
+        assert word in ("met", "not met", "not separable") or (
+            word.startswith("cannot fail") and t["met"] is None), t
 
 
 def test_speculative_draft_runs_every_side_on_the_same_tokens():
@@ -239,6 +245,16 @@ def test_moe_times_every_expert_path_on_the_same_tokens():
     assert "verdict" in saved["targets"]["grouped over dense at batch 4"]
 
 
+def cut_short(text: str) -> bool:
+    """Whether `text` is a JSON document cut off before its end (what max_tokens does to a
+    constrained output), not one that went wrong inside: parsing fails only at the end."""
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        return e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string")
+    return False
+
+
 def test_structured_outputs_measures_validity_speed_compile_and_ttft():
     """SmolLM2, one round, batch 1 and 2, short outputs: every section and target present,
     the same lengths on both speed sides (asserted inside), JSON and PNG."""
@@ -249,8 +265,16 @@ def test_structured_outputs_measures_validity_speed_compile_and_ttft():
                                     "--max-tokens", "64", "--ttft-runs", "2", "--ttft-repeats",
                                     "3", "--kv-mib", "64", "--peer", "none"])
     saved = json.loads(open(data["json"]).read())
+    # Constrained, an output obeys its constraint or was cut by max_tokens (64 here): the
+    # regexes and choices are far shorter, so all five obey; a JSON output that does not
+    # must be a prefix of one (the parser fails only at its end), never text that went
+    # wrong inside, as an unmasked or mis-masked step gives. (Its own validator, not ours.)
     v = saved["validity"]["smollm2"]
-    assert v["outputs"] == 11 and 0 <= v["valid"] <= 11
+    kinds = {t.name: t.kind for t in structured_outputs.TASKS}
+    assert v["outputs"] == 11 and v["valid"] + len(v["invalid"]) == 11
+    assert all(v["per_task"][n] == 1.0 for n, kind in kinds.items() if kind != "json"), v
+    for bad in v["invalid"]:
+        assert kinds[bad["task"]] == "json" and cut_short(bad["text"]), bad
     assert [r["batch"] for r in saved["speed"]] == [1, 2]
     for r in saved["speed"]:
         assert r["tok_s"]["ours constrained"] > 0 and r["tok_s"]["ours unconstrained"] > 0

@@ -58,7 +58,7 @@ def test_hidden_state_survives_preemption():
     """A pool too small for all requests at once: some are preempted and recomputed; each
     keeps the hidden state of its first prefill."""
     eng = engine(num_kv_blocks=12, max_num_seqs=4)
-    sp = dataclasses.replace(ASK, max_tokens=40, ignore_eos=True)
+    sp = dataclasses.replace(ASK, max_tokens=16, ignore_eos=True)
     reqs = [(f"r{i}", f"{i} " + PROMPT[: 20 + 5 * i], sp) for i in range(4)]
     outs = run(eng, reqs)
     assert eng.scheduler.num_preempted > 0

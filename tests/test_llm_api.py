@@ -1,10 +1,12 @@
 """vLLM's LLM arguments beyond the engine's: tokenizer, swap_space, gpu_memory_utilization,
-chat(chat_template=...), on the tiny random model; engines on one loaded model share its
-weights."""
+chat(chat_template=...), decode_window beside async scheduling, on the tiny random model;
+engines on one loaded model share its weights."""
 
 import jax
 import pytest
 
+from paged_jax.engine.config import scheduling
+from paged_jax.engine.speculative import SpeculativeConfig
 from paged_jax.llm import LLM
 from paged_jax.sampling_params import SamplingParams
 from tests.engine_helpers import model
@@ -76,3 +78,44 @@ def test_engines_on_the_same_loaded_model_share_one_copy_of_its_weights():
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert a.generate(["abc"], sp, use_tqdm=False)[0].outputs[0].token_ids == b.generate(
         ["abc"], sp, use_tqdm=False)[0].outputs[0].token_ids
+
+
+NGRAM = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("window, async_, spec, want", [
+    (None, None, None, (1, True)),  # the default: async, every step delivered (recorded 1)
+    (1, None, None, (1, True)),
+    (1, True, None, (1, True)),
+    (4, None, None, (4, False)),  # an explicit window is honoured: sync decode windows
+    (4, False, None, (4, False)),
+    (None, False, None, (8, False)),  # sync without a window given: the default 8
+    (None, None, NGRAM, (8, False)),  # drafts need sync
+    (3, None, NGRAM, (3, False)),
+])
+def test_scheduling_records_what_applies(window, async_, spec, want):
+    assert scheduling(window, async_, spec) == want
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(decode_window=4, async_scheduling=True), "decode_window=4 .*async_scheduling=True"),
+    (dict(async_scheduling=True, speculative_config={"method": "ngram",
+                                                     "num_speculative_tokens": 2}),
+     "speculative_config needs async_scheduling=False"),
+    (dict(async_scheduling="yes"), "async_scheduling must be a bool"),
+    (dict(decode_window=2.5), "decode_window must be a positive integer"),
+    (dict(decode_window=True), "decode_window must be a positive integer"),
+])
+def test_settings_that_cannot_apply_together_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(model_parts=model(), **SMALL, **kw)
+
+
+def test_engine_config_records_the_scheduling_that_runs():
+    """What experiments read from llm.engine_config (results files record it): decode_window
+    1 under async scheduling, where every step is delivered; the window given otherwise."""
+    cfg = LLM(model_parts=model(), **SMALL).engine_config
+    assert (cfg.async_scheduling, cfg.decode_window) == (True, 1)
+    llm = LLM(model_parts=model(), decode_window=4, **SMALL)
+    assert (llm.engine_config.async_scheduling, llm.engine_config.decode_window) == (False, 4)
+    assert llm.llm_engine.config.decode_window == 4 and not llm.llm_engine.config.async_scheduling

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -126,23 +127,35 @@ def test_olmoe_clip_qkv_is_refused():
         config_from_hf(hf)
 
 
+# The converter's name for a layer's experts stacked into one tensor (convert_hf_to_gguf.py:
+# LlamaModel for Mixtral, Qwen2MoeModel), which gguf-py's TensorNameMap maps to ffn_*_exps.
+_MERGED = {"llama": "layers.{bid}.feed_forward.experts.{w}.weight",
+           "qwen2moe": "model.layers.{bid}.mlp.experts.{w}.weight"}
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)"
+                     r"\.weight")
+
+
 def _gguf_from_hf(folder, path, arch: str, config) -> None:
-    """The HF folder's weights (float32) written as llama.cpp lays out an MoE GGUF: merged
-    [X, out, in] experts, q/k rows permuted for a "llama" file, the shared expert's gate a
-    vector."""
+    """The HF folder's weights (float32) converted as llama.cpp's convert_hf_to_gguf.py does
+    it, names from gguf-py's own map (not our loader's table): each layer's experts stacked
+    into one [X, out, in] tensor, q/k rows permuted for a "llama" file, the shared expert's
+    gate a vector. A Mixtral ("llama") file sizes its experts by feed_forward_length (there
+    is no expert key: llama.cpp reads n_ff), a Qwen2-MoE file by its expert keys."""
     import gguf
     from safetensors.numpy import load_file
 
     from tests.test_models_gguf import permute
 
     hf = load_file(folder / "model.safetensors")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch == "llama"
+                                     else gguf.MODEL_ARCH.QWEN2MOE, 2)
     w = gguf.GGUFWriter(str(path), arch)
+    sizes = (dict(feed_forward_length=config.moe_intermediate_size) if arch == "llama" else
+             dict(feed_forward_length=96, expert_feed_forward_length=config.moe_intermediate_size,
+                  expert_shared_feed_forward_length=config.shared_expert_intermediate_size))
     for k, v in dict(block_count=2, context_length=256, embedding_length=64,
-                     feed_forward_length=96, **{"attention.head_count": 4,
-                                                "attention.head_count_kv": 2},
-                     expert_count=8, expert_used_count=2,
-                     expert_feed_forward_length=config.moe_intermediate_size,
-                     expert_shared_feed_forward_length=config.shared_expert_intermediate_size,
+                     **{"attention.head_count": 4, "attention.head_count_kv": 2},
+                     expert_count=8, expert_used_count=2, **sizes,
                      **{"rope.dimension_count": 16}).items():
         w.add_uint32(f"{arch}.{k}", v)
     w.add_float32(f"{arch}.rope.freq_base", config.rope_theta)
@@ -151,40 +164,76 @@ def _gguf_from_hf(folder, path, arch: str, config) -> None:
     w.add_token_list(["<unk>", "<s>", "</s>", "a", "b", "ab"] + [f"t{i}" for i in range(90)])
     w.add_token_merges(["a b"])
     w.add_eos_token_id(2)
-    moe = "block_sparse_moe" if arch == "llama" else "mlp"
-    experts = {"ffn_gate_exps": ("w1", "gate_proj"), "ffn_up_exps": ("w3", "up_proj"),
-               "ffn_down_exps": ("w2", "down_proj")}
-    names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-             "output": "lm_head"}
-    for g, h in names.items():
-        w.add_tensor(f"{g}.weight", hf[f"{h}.weight"])
-    for i in range(2):
-        pre = f"model.layers.{i}."
-        for g, h in dict(attn_q="q_proj", attn_k="k_proj", attn_v="v_proj",
-                         attn_output="o_proj").items():
-            for kind in ("weight", "bias"):
-                if (x := hf.get(f"{pre}self_attn.{h}.{kind}")) is None:
-                    continue
-                if arch == "llama" and g in ("attn_q", "attn_k"):
-                    x = permute(x, 4 if g == "attn_q" else 2)
-                w.add_tensor(f"blk.{i}.{g}.{kind}", x)
-        w.add_tensor(f"blk.{i}.attn_norm.weight", hf[f"{pre}input_layernorm.weight"])
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", hf[f"{pre}post_attention_layernorm.weight"])
-        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", hf[f"{pre}{moe}.gate.weight"])
-        for g, (mix, qwen) in experts.items():
-            part = mix if arch == "llama" else qwen
-            w.add_tensor(f"blk.{i}.{g}.weight", np.stack(
-                [hf[f"{pre}{moe}.experts.{j}.{part}.weight"] for j in range(8)]))
-        if arch == "qwen2moe":
-            for g, h in dict(ffn_gate_shexp="gate_proj", ffn_up_shexp="up_proj",
-                             ffn_down_shexp="down_proj").items():
-                w.add_tensor(f"blk.{i}.{g}.weight", hf[f"{pre}mlp.shared_expert.{h}.weight"])
-            w.add_tensor(f"blk.{i}.ffn_gate_inp_shexp.weight",
-                         hf[f"{pre}mlp.shared_expert_gate.weight"][0])
+    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    for name, x in hf.items():
+        if m := _EXPERT.fullmatch(name):
+            experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = x
+            continue
+        if arch == "llama" and (q := re.search(r"self_attn\.([qk])_proj\.", name)):
+            x = permute(x, 4 if q[1] == "q" else 2)
+        if name.endswith("shared_expert_gate.weight"):
+            x = x[0]
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), x)
+    for (bid, part), per in sorted(experts.items()):
+        merged = _MERGED[arch].format(bid=bid, w=part)
+        w.add_tensor(names.get_name(merged, try_suffixes=(".weight",)),
+                     np.stack([per[x] for x in range(8)]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def llama_cpp_shapes(arch: str, f: int, s: int) -> dict[str, tuple[int, ...]]:
+    """The MoE tensors llama.cpp creates for one layer, with its shapes (ggml order:
+    innermost first, so [in, out, expert]; src/models/llama.cpp and qwen2moe.cpp): E = 64,
+    8 experts of `f` rows, a shared expert of `s` rows and its gate [E] (Qwen2-MoE)."""
+    out = {"ffn_gate_inp": (64, 8), "ffn_gate_exps": (64, f, 8), "ffn_up_exps": (64, f, 8),
+           "ffn_down_exps": (f, 64, 8)}
+    if arch == "qwen2moe":
+        out |= {"ffn_gate_inp_shexp": (64,), "ffn_gate_shexp": (64, s),
+                "ffn_up_shexp": (64, s), "ffn_down_shexp": (s, 64)}
+    return out
+
+
+@pytest.mark.parametrize("variant, arch", [("mixtral", "llama"), ("qwen2_moe", "qwen2moe")])
+def test_moe_gguf_is_laid_out_as_llama_cpp_reads_it(tmp_path, variant, arch):
+    """The file the load test below reads, checked by gguf-py's reader against llama.cpp's
+    own rules, so that the writer and our loader cannot agree on a wrong layout: every
+    tensor is one the architecture has (gguf.MODEL_TENSORS), each MoE tensor has the shape
+    llama.cpp creates (sized by the keys llama.cpp reads), and expert x of a merged tensor
+    is the HF checkpoint's expert x (experts the outermost numpy axis)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    make_hf(*VARIANTS[variant], tmp_path)
+    config, _ = load_safetensors(tmp_path)
+    _gguf_from_hf(tmp_path, tmp_path / "tiny.gguf", arch, config)
+    reader = gguf.GGUFReader(str(tmp_path / "tiny.gguf"))
+    meta = {k: f.contents() for k, f in reader.fields.items()}
+    tensors = {t.name: t for t in reader.tensors}
+    model_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    allowed = {gguf.TENSOR_NAMES[t].format(bid=i) + suffix for t in gguf.MODEL_TENSORS[model_arch]
+               for i in range(2) for suffix in (".weight", ".bias")}
+    assert set(tensors) <= allowed, set(tensors) - allowed
+    f = meta[f"{arch}.feed_forward_length" if arch == "llama" else
+             f"{arch}.expert_feed_forward_length"]
+    s = meta.get(f"{arch}.expert_shared_feed_forward_length", 0)
+    assert (f, s) == (config.moe_intermediate_size, config.shared_expert_intermediate_size)
+    hf = load_file(tmp_path / "model.safetensors")
+    moe = "block_sparse_moe" if arch == "llama" else "mlp"
+    parts = {"ffn_gate_exps": ("w1", "gate_proj"), "ffn_up_exps": ("w3", "up_proj"),
+             "ffn_down_exps": ("w2", "down_proj")}
+    for i in range(2):
+        for name, shape in llama_cpp_shapes(arch, f, s).items():
+            t = tensors[f"blk.{i}.{name}.weight"]
+            assert tuple(int(n) for n in t.shape) == shape, (i, name)
+        for name, (mix, qwen) in parts.items():
+            data = np.asarray(tensors[f"blk.{i}.{name}.weight"].data)  # numpy order [X, out, in]
+            for x in range(8):
+                want = hf[f"model.layers.{i}.{moe}.experts.{x}.{mix if arch == 'llama' else qwen}"
+                          ".weight"]
+                np.testing.assert_array_equal(data[x], want, err_msg=f"{i} {name} {x}")
 
 
 @pytest.mark.parametrize("variant, arch", [("mixtral", "llama"), ("qwen2_moe", "qwen2moe")])

@@ -145,6 +145,20 @@ def test_logprobs_of_accepted_tokens_match_plain_decoding():
         np.testing.assert_allclose(chosen(x), chosen(y), atol=1e-4)
 
 
+def test_preemption_during_speculation_gives_plain_tokens():
+    """The fast tier's check of the slow test below (on the tests' static shapes, recompute
+    preemption): sequences preempted between verify steps come back and give plain
+    decoding's tokens, no step refused, every block freed."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    reqs = [(str(i), p * 2, greedy) for i, p in enumerate(PROMPTS)]
+    plain = outputs(run(engine(), reqs))
+    eng = engine(speculative=SPEC, num_kv_blocks=24)
+    assert outputs(run(eng, reqs)) == plain
+    assert eng.scheduler.num_preempted > 0 and eng.scheduler.refused_steps == 0
+    assert eng.scheduler.spec.num_accepted_tokens > 0
+    assert all_free(eng)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_in_the_middle_of_speculation(mode):
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

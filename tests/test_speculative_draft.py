@@ -164,6 +164,50 @@ def test_rows_that_stop_drafting_early_keep_plain_tokens(kind):
     assert all_free(eng)
 
 
+def _codes(w):
+    """A runtime weight's stored values and scales: the CPU kernel's panels (Packed), the
+    GPU kernel's codes (QuantWeight), or a plain float array (scales None)."""
+    for codes in ("panels", "q"):
+        if hasattr(w, codes):
+            return getattr(w, codes), w.scales
+    return w, None
+
+
+def quantized_draft(quantization: str, **overrides):
+    """An engine whose draft is the target itself, stored as `quantization` codes."""
+    c, p, _ = model()
+    spec = SpeculativeConfig(method="draft_model", model="tiny", quantization=quantization,
+                             num_speculative_tokens=3)
+    return engine(speculative=spec, draft=(c, p), **overrides)
+
+
+@pytest.mark.parametrize("quantization, per_byte", [("int8", 1), ("int4", 2)])
+def test_quantized_draft_is_stored_as_codes(quantization, per_byte):
+    """speculative_config's quantization stores the draft's projections and LM head as
+    integer codes with scales, 1/4 (int8) or 1/8 (int4) of the float32 target's bytes
+    (whichever matmul kernel runs them); the target is left float32."""
+    eng = quantized_draft(quantization)
+    draft, target = eng.runner.draft_params, eng.params
+    pairs = [(draft["lm_head"], target.get("lm_head", target["embed"]), "lm_head")] + [
+        (d[k], t[k], f"{i}.{k}") for i, (d, t) in enumerate(zip(draft["layers"],
+                                                               target["layers"], strict=True))
+        for k in ("w_qkv", "wo", "w_gate_up", "w_down")]
+    for d, t, name in pairs:
+        (codes, scales), (floats, none) = _codes(d), _codes(t)
+        assert codes.dtype.itemsize == 1 and codes.dtype.kind in "iu", name
+        assert scales is not None and none is None and floats.dtype == np.float32, name
+        assert codes.nbytes * 4 * per_byte == floats.nbytes, name
+
+
+def test_int8_draft_changes_no_token():
+    """Greedy output with the int8 draft is plain decoding's, and it keeps drafts."""
+    reqs = [(str(i), q, GREEDY) for i, q in enumerate(PROMPTS[:3])]
+    eng = quantized_draft("int8")  # the tests' static shapes: few programs to compile
+    assert outputs(run(eng, reqs)) == outputs(run(engine(**BUCKETS), reqs))
+    c = eng.scheduler.spec
+    assert 0 < c.num_accepted_tokens <= c.num_draft_tokens
+
+
 def test_config_and_draft_errors_name_the_problem():
     c, p, _ = model()
     assert SpeculativeConfig.of({"model": "x", "num_speculative_tokens": 2}).draft_model

@@ -141,16 +141,19 @@ def test_a_draft_model_leaves_constrained_rows_undrafted(plain):
 
 def test_n_samples_each_obey_and_stop_strings_and_max_tokens_end_them():
     eng = engine(**BUCKETS)
+    must_add = SamplingParams(  # the grammar forces a "+" after one or two digits
+        temperature=0.0, max_tokens=40, stop=["+"],
+        structured_outputs=dict(grammar='start: "(" num "+" num ")"\nnum: /[0-9]{1,2}/'))
     outs = run(eng, [
         ("json n", "n=3: ", constrained("json", n=3)),
-        ("stop", "s: ", constrained("lark", stop=["+"], temperature=0.0)),
+        ("stop", "s: ", must_add),
         ("length", "l: ", constrained("json", max_tokens=4))])
     assert len({c.text for c in outs["json n"].outputs}) > 1
     for c in outs["json n"].outputs:
         assert obeys("json", c.text)
-    stop = outs["stop"].outputs[0]
-    if stop.stop_reason == "+":  # the greedy text reached a "+": cut before it
-        assert stop.text.startswith("(") and "+" not in stop.text
+    stop = outs["stop"].outputs[0]  # every allowed text holds a "+": the stop string ends it
+    assert stop.finish_reason == "stop" and stop.stop_reason == "+", stop
+    assert re.fullmatch(r"\(\d{1,2}", stop.text), stop.text
     assert outs["length"].outputs[0].finish_reason == "length"
     assert len(outs["length"].outputs[0].token_ids) == 4
 
@@ -264,8 +267,10 @@ def test_server_response_format_guided_fields_and_bad_schemas():
         chat = dict(model=MODEL, messages=[{"role": "user", "content": "a pet?"}],
                     temperature=1.0, seed=3, max_tokens=120, logit_bias={
                         b: -100 for b in b" \t\r\n"})
+        # strict=false (OpenAI: the schema is a hint) is served enforced, as strict=true is
         res = c.chat.completions.create(**chat, response_format={
-            "type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}})
+            "type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA,
+                                                   "strict": False}})
         jsonschema.validate(json.loads(res.choices[0].message.content), SCHEMA)
         res = c.chat.completions.create(**chat, response_format={"type": "json_object"})
         assert isinstance(json.loads(res.choices[0].message.content), dict)

@@ -119,6 +119,25 @@ def test_sharded_params_rebuild_the_unsharded_weights():
         np.testing.assert_array_equal(mine[2 * d:3 * d], w[q + i * d:q + (i + 1) * d])
 
 
+def test_two_replicas_give_one_engines_tokens():
+    """data_parallel_size = 2, a device each (the fast tier's check; TP x DP below): the
+    requests alternate between the replicas by load, each replica's pool is on its own
+    device, every output is one engine's, and every replica's load and blocks come back."""
+    from paged_jax import LLM
+
+    reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(4))]
+    one = run(engine(), reqs)
+    llm = LLM(model_parts=model(), data_parallel_size=2, **BASE)
+    outs = llm.generate([p for _, p, _ in reqs], [sp for _, _, sp in reqs], use_tqdm=False)
+    for (rid, _, _), out in zip(reqs, outs, strict=True):
+        assert [c.token_ids for c in out.outputs] == tokens(one, rid), rid
+    for i, replica in enumerate(llm.replicas):
+        assert sum(s.num_tokens for s in replica.stats) > 0, f"replica {i} served nothing"
+        assert {d.id for d in replica.state.cache.k[0].sharding.device_set} == {i}
+        assert all_free(replica)
+    assert llm.balancer.outstanding == [0, 0]
+
+
 def test_data_parallel_replicas_share_the_work(one_device):
     """Two replicas of TP = 2 on four devices, each with its own pool; requests go to the
     least loaded; every output is what one device gives."""

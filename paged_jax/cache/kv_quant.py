@@ -65,7 +65,11 @@ def storage_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
 
 
 def bits_dtype(dtype) -> jnp.dtype:
-    """The dtype pages of `dtype` are stored in (their bits for bfloat16 / fp8)."""
+    """The dtype pages of `dtype` are stored in: their bits for bfloat16 / fp8 on CPU; on an
+    accelerator themselves (its scatters have no such cost, and a kernel that takes the pages
+    through TMA, kernels/mosaic_decode.py, would need a bitcast copy of the pool)."""
+    if jax.default_backend() != "cpu":
+        return jnp.dtype(dtype)
     return _BITS.get(jnp.dtype(dtype), jnp.dtype(dtype))
 
 

@@ -150,7 +150,7 @@ def build_ops(ops: dict[str, np.ndarray] | None, ec) -> KVOps:
     return KVOps(**(ops or no_ops(ec.num_kv_blocks, ec.max_num_seqs)))
 
 
-PAGED_COST_BACKENDS = ("reference", "pallas")
+PAGED_COST_BACKENDS = ("reference", "pallas", "pallas-triton", "pallas-mosaic")
 """Attention backends whose cost follows the static page buckets."""
 
 
@@ -362,7 +362,7 @@ def build_window(
     flat = backend == "reference"
     shape = StepShape(
         max_q=1, max_copies=_copies(plan.chunks, ec, r),
-        max_pages=_pages(max(ends), ec) if backend == "pallas" else None,
+        max_pages=_pages(max(ends), ec) if backend.startswith("pallas") else None,
         decode_pages=decode_page_bucket(ends, ec, r) if flat else None, flags=_flags(rows, ec),
         full_width=cdiv(w, ec.block_size) if ec.enable_prefix_caching else 0)
     return row_slots, tokens, shape, rows

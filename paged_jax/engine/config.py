@@ -10,6 +10,35 @@ from paged_jax.cache.groups import KVGroups
 from paged_jax.engine.speculative import SpeculativeConfig
 from paged_jax.sizes import cdiv
 
+DECODE_WINDOW = 8  # decode steps per device call when windows apply and none is given
+
+
+def scheduling(decode_window: int | None, async_scheduling: bool | None,
+               speculative: SpeculativeConfig | None) -> tuple[int, bool]:
+    """LLM's (decode_window, async_scheduling) as they apply. Async scheduling delivers every
+    step as it is read, so decode windows do not apply under it and decode_window is recorded
+    as 1 (what runs); speculative decoding needs sync (drafts continue the step before).
+    async_scheduling=None (the default) turns it on unless an explicit decode_window > 1 or
+    a speculative config asks for sync; an explicit True beside either is refused."""
+    if decode_window is not None and (not isinstance(decode_window, int)
+                                      or isinstance(decode_window, bool) or decode_window < 1):
+        raise ValueError(f"decode_window must be a positive integer, got {decode_window!r}")
+    if async_scheduling is not None and not isinstance(async_scheduling, bool):
+        raise ValueError(f"async_scheduling must be a bool or None, got {async_scheduling!r}")
+    windows = decode_window is not None and decode_window > 1
+    if async_scheduling and windows:
+        raise ValueError(f"decode_window={decode_window} does not apply with "
+                         "async_scheduling=True (every step is delivered as it is read): pass "
+                         "async_scheduling=False for decode windows, or drop decode_window")
+    if async_scheduling and speculative is not None:
+        raise ValueError("speculative_config needs async_scheduling=False (drafts continue "
+                         "the tokens of the step before): drop async_scheduling=True")
+    if async_scheduling is None:
+        async_scheduling = not windows and speculative is None
+    if async_scheduling:
+        return 1, True
+    return decode_window or DECODE_WINDOW, False
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -22,7 +51,8 @@ class EngineConfig:
       max_num_batched_tokens: token budget of a step.
       max_model_len: longest prompt + output.
       preemption_mode: "recompute" or "swap".
-      decode_window: decode steps per device call when only decodes run (1 = every step).
+      decode_window: decode steps per device call when only decodes run (1 = every step);
+        unread under async_scheduling, where LLM records 1 (`scheduling`).
       backend: attention backend; None picks by platform.
       matmul_backend: "cpu" (projections and LM head packed for the C++ CPU matmul kernel,
         kernels/cpu_matmul.py: float32 on CPU devices, each packing its own shard under
@@ -71,7 +101,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 256
     max_model_len: int = 1024
     preemption_mode: str = "recompute"
-    decode_window: int = 8
+    decode_window: int = DECODE_WINDOW
     backend: str | None = None
     matmul_backend: str | None = None
     quantization: str | None = None

@@ -136,20 +136,21 @@ def _restore(
 
 def matmul_backend(requested: str | None, dtype) -> str:
     """The projections' matmul (EngineConfig.matmul_backend): "cpu" (packed C++ kernel)
-    where it applies (a CPU platform, float32; under tensor parallelism each device packs its
-    own shard) and builds, else "xla".
+    where it applies (a CPU platform, float32 or bfloat16 weights; under tensor parallelism
+    each device packs its own shard) and builds, else "xla".
 
     Raises:
       ValueError: "cpu" asked for where it does not apply or did not build.
     """
     if requested == "xla":
         return "xla"
-    fits = jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
+    fits = jax.default_backend() == "cpu" and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
     built = fits and cpu_matmul.load(str(compile_cache.kernel_folder()))
     if requested == "cpu" and not built:
         raise ValueError("the CPU matmul kernel (matmul_backend='cpu', and quantization "
-                         "'int8' / 'int4', which run on it) needs float32 weights on CPU "
-                         "devices and its C++ kernel (kernels/cpu_matmul.py) built; use 'xla'")
+                         "'int8' / 'int4', which run on it) needs float32 or bfloat16 weights "
+                         "on CPU devices and its C++ kernel (kernels/cpu_matmul.py) built; "
+                         "use 'xla'")
     return "cpu" if built else "xla"
 
 
@@ -203,6 +204,10 @@ class Runner:
             raise ValueError("quantization on a GPU runs on one device for now")
         self.matmul = ("xla" if gpu_quant else matmul_backend(
             "cpu" if ec.quantization else ec.matmul_backend, dtype))
+        # The packed weights' type: the model's bfloat16 stays bfloat16 in the C++ kernel
+        # (half the bytes, AVX-512 BF16 dot products), with float32 activations.
+        self.weights = ec.quantization or (
+            "bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32")
         self.mesh, kv_heads = None, model.num_kv_heads
         if ec.tensor_parallel_size > 1:
             params = prepare_params(params)  # the forward's fast layout, built once
@@ -213,7 +218,7 @@ class Runner:
             self.mesh = parallel.make_mesh(lay.n, ec.first_device)
             params, kv_heads = parallel.shard_params(params, model, self.mesh), lay.kv_heads_total
             if self.matmul == "cpu":
-                params = parallel.pack_shards(params, self.mesh, ec.quantization or "float32")
+                params = parallel.pack_shards(params, self.mesh, self.weights)
             books, pages = parallel.replicated(self.mesh), parallel.by_head(self.mesh)
         else:
             books = pages = parallel.devices(1, ec.first_device)[0]
@@ -254,7 +259,7 @@ class Runner:
         def build() -> Params:
             laid = prepare_params(params)
             if self.matmul == "cpu":
-                laid = pack_params(laid, quantization or "float32")
+                laid = pack_params(laid, quantization or self.weights)
             elif quantization:
                 laid = quantize_params(laid, quantization)
             return jax.device_put(laid, device)  # no-op on device 0

@@ -133,11 +133,12 @@ def _sample(
     state: EngineState, logits: Float[Array, "R V"], slots: Int[Array, "R"],
     active: Bool[Array, "R"], flags: smp.SampleFlags, masks: Int[Array, "R W"] | None = None,
 ) -> tuple[EngineState, StepOut]:
-    rows = smp.rows_view(state.sampling, slots, flags.penalties, flags.bias)
-    res = smp.sample(logits, rows, flags=flags, masks=masks)
-    sampling = smp.update_rows(state.sampling, slots, res.tokens, active, flags.penalties)
-    counted = dataclasses.replace(rows, num_generated=rows.num_generated + active)
-    finished, reason = smp.stop_mask(counted, res.tokens)
+    with jax.named_scope("sampling"):  # experiments/step_profile.py's kinds
+        rows = smp.rows_view(state.sampling, slots, flags.penalties, flags.bias)
+        res = smp.sample(logits, rows, flags=flags, masks=masks)
+        sampling = smp.update_rows(state.sampling, slots, res.tokens, active, flags.penalties)
+        counted = dataclasses.replace(rows, num_generated=rows.num_generated + active)
+        finished, reason = smp.stop_mask(counted, res.tokens)
     r = slots.shape[0]
     out = StepOut(res.tokens, res.logprobs, res.top_ids, res.top_logprobs, active,
                   finished & active, reason, jnp.asarray(True), state.pool.num_free,
@@ -266,12 +267,14 @@ def run_step(
       (state', StepOut per row). When the pool cannot cover the step, ok is False and state'
       is the state after the ops and admissions (nothing sampled, nothing settled).
     """
-    state = _admit(settle.apply_batch_ops(state, batch.ops), batch.admit)
-    batch = _resolve(state, batch)
+    with jax.named_scope("bookkeeping"):
+        state = _admit(settle.apply_batch_ops(state, batch.ops), batch.admit)
+        batch = _resolve(state, batch)
     old_lens = state.table.seq_lens  # after the hits: their blocks are not new
     state, out = step_body(params, state, batch, cfg, shape, dparams)
     own = batch.own if batch.own is not None else jnp.zeros_like(batch.sample)
     # Fork children wrote nothing: their blocks are their parent's, reported in its row.
     wrote = batch.query_start[1:] > batch.query_start[:-1]
-    return settle.settle_and_report(state, out, batch.row_slots, own, old_lens, cfg,
-                                    shape.full_width, wrote)
+    with jax.named_scope("bookkeeping"):
+        return settle.settle_and_report(state, out, batch.row_slots, own, old_lens, cfg,
+                                        shape.full_width, wrote)

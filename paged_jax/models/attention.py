@@ -11,7 +11,9 @@ Tokens past ``query_start[S]`` are padding and get zeros.
 
 A small switch over the kernel lab (kernels/, which imports nothing from paged_jax):
 "reference" (kernels/reference.py, pure jnp, any platform: the oracle every kernel is tested
-against), "pallas" (Triton on GPU, interpret mode elsewhere) and "cpu" (kernels/cpu_attention:
+against), "pallas" (on GPU the kernels dispatch.py picks, interpret mode elsewhere; "pallas-triton"
+and "pallas-mosaic" force decode's kernel: Triton, or Mosaic GPU where it takes the shapes)
+and "cpu" (kernels/cpu_attention:
 a C++ kernel through XLA's FFI, built on first use). `default_backend()` picks by platform.
 """
 
@@ -29,7 +31,7 @@ from paged_jax.types import Array, Float, Int
 __all__ = ["BACKENDS", "default_backend", "paged_attention", "ragged_reference",
            "tiled_reference", "flat_decode_reference"]
 
-BACKENDS = ("reference", "pallas", "cpu")
+BACKENDS = ("reference", "pallas", "pallas-triton", "pallas-mosaic", "cpu")
 
 
 def default_backend() -> str:
@@ -71,7 +73,7 @@ def paged_attention(
       seq_lens: [S] context length per sequence including this step's tokens (0 = padding).
       query_start: [S + 1] offsets of each sequence's queries in q (cumulative, nondecreasing).
       max_q: static bound on any sequence's query count (1 for decode).
-      backend: "reference", "pallas" or "cpu".
+      backend: one of BACKENDS.
       scale: softmax scale; default 1/sqrt(D).
       max_q_rows: static hint: only the first `max_q_rows` sequences may have more than one
         query (prefill chunks first, decodes after). The reference then pads only those rows
@@ -97,11 +99,11 @@ def paged_attention(
         return cpu_attention.paged_attention(
             q, k_pages, v_pages, block_tables, seq_lens, query_start, scale=scale,
             window=window)
-    if backend == "pallas":
+    if backend.startswith("pallas") and backend in BACKENDS:
         from kernels import dispatch  # Pallas loads only when asked for
 
         return dispatch.paged_attention(
             q, k_pages, v_pages, block_tables, seq_lens, query_start, max_q=max_q, scale=scale,
-            window=window,
+            window=window, decode_kernel=backend.partition("-")[2] or "auto",
         )
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")

@@ -26,10 +26,9 @@ ms against 128 ms [in, out], at 32 rows 132 against 171 (faster in 15 of 15 pair
 each), at 64 and 128 rows about the same (results/weight_layout.json, `python -m
 experiments.weight_layout --batches 1 16 32 64 128 --rounds 15`). The decoder then runs its
 layers unrolled: under a `lax.scan`, XLA:CPU copies each layer's weights out of the stacked
-arrays before every dot
-(slower at every batch size we tried on SmolLM2-135M; no results file keeps the ratio);
-fused projections mean fewer, wider dots. `forward` accepts either form (the checkpoint form
-is converted inside the traced function, at the cost of those copies on every call).
+arrays before every dot (slower at every batch size we tried on SmolLM2-135M; no results file
+keeps the ratio); fused projections mean fewer, wider dots. `forward` accepts either form
+(the checkpoint form is converted inside the traced function, copying on every call).
 
 On CPUs in float32 the engine goes one step further (`pack_params`): every projection and the
 LM head are packed into the panels of the C++ matmul kernel (kernels/cpu_matmul.py), which
@@ -38,8 +37,7 @@ whichever the weight is.
 
 Checkpoint-form projections are stored [in, out] (lm_head [V, E], like the embedding). RoPE
 uses Hugging Face's rotate-half pairing (dims i and i + D/2); GGUF loaders un-permute
-llama.cpp's interleaved q/k.
-D2 in annotations is D / 2 (one inverse frequency per rotated pair).
+llama.cpp's interleaved q/k. D2 in annotations is D / 2 (one inverse frequency per pair).
 """
 
 from __future__ import annotations
@@ -72,11 +70,11 @@ Params = dict[str, Any]
 def rms_norm(
     x: Float[Array, "*B E"], w: Float[Array, "E"], eps: float
 ) -> Float[Array, "*B E"]:
-    """RMSNorm over the last axis, in fp32, cast back before the weight (as Hugging Face's
-    Llama does)."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return w * y.astype(x.dtype)
+    """RMSNorm over the last axis, in fp32, cast back before the weight (as HF's Llama)."""
+    with jax.named_scope("norm"):  # named scopes: experiments/step_profile.py's kinds
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        return w * y.astype(x.dtype)
 
 
 FUSED = {"w_qkv": ("wq", "wk", "wv"), "b_qkv": ("bq", "bk", "bv"),
@@ -93,16 +91,16 @@ def linear(x: Float[Array, "T I"], w: Float[Array, "O I"] | Packed | QuantWeight
            ) -> Float[Array, "T O"]:
     """x @ w.T for a runtime-form [out, in] weight, one packed for the CPU matmul kernel
     (`pack_params`) or one quantized for the GPU kernel (`quantize_params`)."""
-    if isinstance(w, Packed):
-        return cpu_matmul.matmul(x, w).astype(x.dtype)
-    if isinstance(w, QuantWeight):
-        return quant_matmul(x, w)
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+    with jax.named_scope("matmul"):
+        if isinstance(w, Packed):
+            return cpu_matmul.matmul(x, w).astype(x.dtype)
+        if isinstance(w, QuantWeight):
+            return quant_matmul(x, w)
+        return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
 
 
 def fuse_layer(p: Params, concat=jnp.concatenate) -> Params:
-    """One layer in runtime form: q|k|v and gate|up concatenated, projections [out, in]
-    (see module docstring)."""
+    """One layer in runtime form: q|k|v and gate|up concatenated, projections [out, in]."""
     out = {k: v for k, v in p.items() if not any(k in parts for parts in FUSED.values())}
     for name, parts in FUSED.items():
         if parts[0] in p:
@@ -141,12 +139,10 @@ def prepare_params(params: Params) -> Params:
 
 def pack_params(params: Params, weights: str = "float32") -> Params:
     """Runtime-form params with every projection and the LM head packed for the C++ CPU
-    matmul kernel (kernels/cpu_matmul.py; float32 activations, one device: under tensor
-    parallelism see parallel.pack_shards), as float32, int8 or int4 `weights`. A tied head
-    packs the embedding itself, and the lookup reads rows back from its panels: one copy,
-    not two; an untied embedding is packed too when quantized (only its rows are read).
-    Norms and biases stay float32.
-    Idempotent; each weight is packed on the host, then the unpacked one is dropped.
+    matmul kernel (kernels/cpu_matmul.py; one device: under tensor parallelism see
+    parallel.pack_shards), as float32, int8 or int4 `weights`. A tied head packs the
+    embedding itself (the lookup reads rows back from its panels: one copy); an untied one is
+    packed when quantized. Norms and biases stay float32. Idempotent; packed on the host.
 
     Raises:
       RuntimeError: the kernel did not build (no C++ compiler, say).
@@ -161,9 +157,9 @@ def pack_params(params: Params, weights: str = "float32") -> Params:
 
 
 def quantize_params(params: Params, weights: str) -> Params:
-    """Runtime-form params with every projection and the LM head as `weights` ("int8" or
-    "int4") codes for the GPU kernel (kernels/quant_matmul.py), quantized on the host. A tied
-    head gets a quantized copy as lm_head; the embedding lookup keeps the float table."""
+    """Runtime-form params with every projection and the LM head as `weights` ("int8" /
+    "int4") codes for the GPU kernel (kernels/quant_matmul.py), quantized on the host; a tied
+    head gets a quantized copy, the lookup keeps the float table."""
     params = prepare_params(params)
     quant = lambda w: quantize(np.asarray(w, np.float32), weights)  # noqa: E731
     head = params.get("lm_head", params["embed"])
@@ -202,8 +198,10 @@ def attention_block(
     spin = kv_quant.rotation(kv[0].dtype, d)  # int8 pages hold K/V rotated (kv_quant.py)
     if spin is not None:
         q, k, v = (y @ spin.astype(y.dtype) for y in (q, k, v))
-    kv = kv_lib.write_layer(*kv, cache_pos, k, v)
-    o = paged_attention(q, *kv, block_tables, seq_lens, query_start, **attn)
+    with jax.named_scope("kv_write"):
+        kv = kv_lib.write_layer(*kv, cache_pos, k, v)
+    with jax.named_scope("attention"):
+        o = paged_attention(q, *kv, block_tables, seq_lens, query_start, **attn)
     if spin is not None:
         o = o @ spin.T.astype(o.dtype)
     o = linear(o.reshape(t, -1).astype(x.dtype), p["wo"])
@@ -222,8 +220,9 @@ def gated_mlp(x: Float[Array, "T E"], gate_up, down, act: str = "silu") -> Float
     """down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (tanh-approximated gelu, Gemma's
     gelu_pytorch_tanh)."""
     gate, up = jnp.split(linear(x, gate_up), 2, axis=-1)
-    gate = jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, approximate=True)
-    return linear(gate * up, down)
+    with jax.named_scope("activation"):
+        hidden = (jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, True)) * up
+    return linear(hidden, down)
 
 
 def mlp_block(p: Params, x: Float[Array, "T E"], config: ModelConfig, valid: Array,
@@ -300,7 +299,7 @@ def forward(
         [G, S, P]: layer i reads group `cache.group_of(i)`'s.
       config: static model config.
       max_q: static bound on queries per sequence (1 for decode).
-      backend: paged-attention backend, "reference" or "pallas".
+      backend: paged-attention backend (models/attention.py's BACKENDS).
       all_logits: return logits for every token instead of each sequence's last one.
       max_q_rows, decode_pages: static hints of `paged_jax.models.attention.paged_attention`.
       tp: one device's share under tensor parallelism (inside `parallel.shard_forward`;

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -50,7 +51,8 @@ def rope(
     x: Float[Array, "T X D"], cos: Float[Array, "T D"], sin: Float[Array, "T D"]
 ) -> Float[Array, "T X D"]:
     """Rotates pairs (i, i + D/2) by the angles of `rope_tables`, in fp32."""
-    x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], -1)
-    return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
+    with jax.named_scope("rope"):
+        x32 = x.astype(jnp.float32)
+        half = x.shape[-1] // 2
+        rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], -1)
+        return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)

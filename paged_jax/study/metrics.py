@@ -21,16 +21,14 @@ The paper reports these as shares of the KV memory in use (their sum).
 
 Roofline: a decode step must read all weights and the K/V of every cached token, so
     achieved bandwidth = (weight bytes + KV bytes read) per step / step time
-is compared with the machine's memory bandwidth, measured once with a large numpy copy and
-cached in results/bandwidth.json.
+is compared with the machine's memory bandwidth, measured in the same run with a large numpy
+copy (`measure_bandwidth`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -113,18 +111,6 @@ def measure_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t0)
     return 2 * src.nbytes / best
-
-
-def machine_bandwidth(results: Path) -> float:
-    """The measured bandwidth, cached in results/bandwidth.json (measured on first use)."""
-    path = Path(results) / "bandwidth.json"
-    if path.exists():
-        return float(json.loads(path.read_text())["bytes_per_s"])
-    bw = measure_bandwidth()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(bytes_per_s=bw, method="numpy copyto of 256 MiB float64, "
-                                    "best of 5, bytes = read + write")))
-    return bw
 
 
 def weight_bytes(params) -> int:
