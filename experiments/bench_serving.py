@@ -210,20 +210,19 @@ def offline(model: str | None, items) -> dict:
 
 def sweep(proc, url: str, model: str, tok, a, server: str) -> list[dict]:
     """Warm-up passes (the whole workload at once, then up to 16 others arriving one by one
-    at 2 per second: the step shapes of bursts and of lone prompts compile before anything is
-    measured; each pass repeats, at most 3 times, while paged-jax reports programs built in
-    it), then each rate; stops `proc` (if any) at the end."""
-    rows = []
+    at 2 per second: caches and allocators warm on both servers; paged-jax's programs were
+    built before its /health said ready, and the passes count any it still builds: the
+    first row's `warm_up_pass_programs_built`), then each rate; stops `proc` (if any) at
+    the end."""
+    rows, pass_built = [], 0
     try:
         for n, rate, seed in ((a.requests, float("inf"), a.seed),
                               (min(16, a.requests), 2.0, a.seed + 1)):
             warm = make_workload("sharegpt", n, rate, tok, seed=seed, scale=a.scale,
                                  max_model_len=512)
-            for _ in range(3):
-                before = scrape(url)
-                asyncio.run(run_rate(url, model, warm, a.timeout))
-                if not server_split(before, scrape(url))["programs_built"]:
-                    break  # none built (or vLLM, which does not say)
+            before = scrape(url)
+            asyncio.run(run_rate(url, model, warm, a.timeout))
+            pass_built += server_split(before, scrape(url))["programs_built"] or 0
         for rate in a.rates:
             items = make_workload("sharegpt", a.requests, rate, tok, seed=a.seed,
                                   scale=a.scale, max_model_len=512, cv=a.cv)
@@ -233,6 +232,8 @@ def sweep(proc, url: str, model: str, tok, a, server: str) -> list[dict]:
             rows.append(dict(server=server, **summarize(rate, res, wall),
                              **server_split(before, scrape(url))))
             print(table(rows[-1:], COLUMNS), flush=True)
+        if rows:
+            rows[0]["warm_up_pass_programs_built"] = pass_built
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGINT)
@@ -309,8 +310,23 @@ def main(argv: list[str] | None = None, name: str = "bench_serving") -> dict:
             out["server_vs_offline"] = burst[0]["output_tok_s"] / out["offline"]["output_tok_s"]
         print("offline LLM.generate:", out["offline"], "| server / offline:",
               out.get("server_vs_offline"))
+    out["programs_built_after_ready"] = built_after_ready(rows)
     out["png"] = str(plot(rows, name))
     out["json"] = str(save_json(name, out))
+    if not a.url:  # servers this run started, with their warm-up (serve --warmup auto)
+        late = {k: v for k, v in out["programs_built_after_ready"].items() if v}
+        assert not late, f"programs built after the server said ready: {late}"
+    return out
+
+
+def built_after_ready(rows: list[dict]) -> dict[str, int]:
+    """{paged-jax server: XLA programs it built after /health said ready} (warm-up passes
+    and timed rates): 0 when warm-up built every program the workload meets."""
+    out: dict[str, int] = {}
+    for r in rows:
+        if r.get("programs_built") is not None:
+            out[r["server"]] = (out.get(r["server"], 0) + int(r["programs_built"])
+                                + int(r.get("warm_up_pass_programs_built", 0)))
     return out
 
 

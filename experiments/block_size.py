@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import argparse
 
-import jax
-
 from experiments import serving as sv
 from experiments.common import pyplot, save_json, save_plot, table
+from paged_jax import compile_cache
 from paged_jax.study.metrics import breakdown, latency_summary, throughput
 from paged_jax.study.workloads import make_workload
 
@@ -32,7 +31,7 @@ def main(sizes=(8, 16, 32), requests: int = 32, seed: int = 0,
     for bs in sizes:
         # Each block size compiles its own programs; dropping the last size's keeps the
         # process under the kernel's limit on memory mappings (LLVM's JIT aborts past it).
-        jax.clear_caches()
+        compile_cache.clear_programs()
         cfg = {**sv.TINY, "block_size": bs, "num_kv_blocks": POOL_TOKENS // bs + 1}
         sv.warm_up(parts, cfg)
         for d in datasets:

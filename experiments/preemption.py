@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import argparse
 
-import jax
-
 from experiments import serving as sv
 from experiments.common import pyplot, save_json, save_plot, table
+from paged_jax import compile_cache
 from paged_jax.study.metrics import latency_summary, throughput
 from paged_jax.study.workloads import make_workload
 
@@ -47,7 +46,7 @@ def main(sizes=(16, 64), requests: int = 24, scale: float = 0.25, seed: int = 0,
     for bs in sizes:
         # Each block size compiles its own programs; dropping the last size's keeps the
         # process under the kernel's limit on memory mappings (LLVM's JIT aborts past it).
-        jax.clear_caches()
+        compile_cache.clear_programs()
         for pool_tokens in (BIG, POOL_TOKENS):
             sv.warm_up(parts, {**sv.TINY, "block_size": bs, "num_kv_blocks": pool_tokens // bs + 1},
                        items=items)

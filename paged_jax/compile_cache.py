@@ -61,7 +61,7 @@ def relieve_jit_mappings(fraction: float = 0.7) -> bool:
     XLA:CPU maps each compiled kernel's code and data separately (about 1,000 mappings per
     SmolLM2 step program), and a process that holds more than `vm.max_map_count` mappings
     (65,530 by default) aborts in LLVM ("Unable to allocate section memory"). Above `fraction`
-    of the limit this calls `jax.clear_caches()`; programs still in use are reloaded from the
+    of the limit this calls `clear_programs()`; programs still in use are reloaded from the
     persistent cache on their next call. Linux only; elsewhere it does nothing.
 
     Returns:
@@ -74,8 +74,25 @@ def relieve_jit_mappings(fraction: float = 0.7) -> bool:
         return False
     if used < fraction * limit:
         return False
-    jax.clear_caches()
+    clear_programs()
     return True
+
+
+_CLEARS: list = []
+
+
+def clear_programs() -> None:
+    """Drops every compiled program this process holds in memory: jit's caches
+    (`jax.clear_caches`) and the tables registered with `on_clear`."""
+    jax.clear_caches()
+    for clear in _CLEARS:
+        clear()
+
+
+def on_clear(clear) -> None:
+    """Registers `clear()` to run when relieve_jit_mappings drops the compiled programs:
+    tables of compiled programs held outside jit's own caches (engine/programs.py)."""
+    _CLEARS.append(clear)
 
 
 def kernel_folder() -> Path:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from paged_jax.engine import step as step_lib
+from paged_jax.engine.programs import PROGRAMS
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.serve.async_engine import AsyncEngine
 from tests.engine_helpers import GREEDY, all_free, engine, prompts, run
@@ -110,9 +110,9 @@ def test_an_abort_between_plan_and_result_frees_everything():
 def test_no_recompilation_after_warmup():
     reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(10))]
     run(engine(async_scheduling=True), reqs)
-    size = step_lib.run_step._cache_size()
+    built = PROGRAMS.built
     run(engine(async_scheduling=True), [(f"b{i}", p, sp) for i, p, sp in reqs])
-    assert step_lib.run_step._cache_size() == size
+    assert PROGRAMS.built == built
 
 
 def test_beam_search_runs_on_an_async_engine():

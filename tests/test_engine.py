@@ -7,8 +7,7 @@ subject is the shape buckets users get run on them, and batched (static) == one-
 import numpy as np
 import pytest
 
-from paged_jax.engine import step as step_lib
-from paged_jax.engine import window as window_lib
+from paged_jax.engine.programs import PROGRAMS
 from paged_jax.sampling_params import SamplingParams
 from tests.engine_helpers import BUCKETS, GREEDY, all_free, engine, prompts, run, tokens
 
@@ -98,9 +97,9 @@ def test_abort_frees_everything():
 def test_no_recompilation_after_warmup():
     reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(12))]
     run(engine(**BUCKETS), reqs)  # warm-up: compiles every bucket this workload uses
-    sizes = (step_lib.run_step._cache_size(), window_lib.decode_window._cache_size())
+    built = PROGRAMS.built
     run(engine(**BUCKETS), [(f"b{i}", p, sp) for i, p, sp in reqs])
-    assert (step_lib.run_step._cache_size(), window_lib.decode_window._cache_size()) == sizes
+    assert PROGRAMS.built == built
 
 
 def test_stop_strings_tokens_min_tokens_and_logprobs(batched_greedy):
@@ -224,11 +223,13 @@ class DeviceTraffic:
         from jax._src import array as jarray
 
         from paged_jax.engine import runner
+        from paged_jax.engine.programs import Programs
 
         self.calls = self.reads = 0
         self._inside = 0
-        for name in ("run_step", "decode_window", "run_ops", "_restore"):
-            monkeypatch.setattr(runner, name, self._count_call(getattr(runner, name)))
+        # every step, window, verify and ops call goes through the programs table
+        monkeypatch.setattr(Programs, "call", self._count_call(Programs.call))
+        monkeypatch.setattr(runner, "_restore", self._count_call(runner._restore))
         monkeypatch.setattr(runner.jax, "device_get", self._count_read(jax.device_get))
         monkeypatch.setattr(np, "asarray", self._count_read(np.asarray, arrays_only=True))
         monkeypatch.setattr(np, "array", self._count_read(np.array, arrays_only=True))
@@ -245,7 +246,6 @@ class DeviceTraffic:
         def g(*a, **k):
             self.calls += 1
             return f(*a, **k)
-        g._cache_size = f._cache_size
         return g
 
     def _count_read(self, f, arrays_only=False):

@@ -12,8 +12,7 @@ import functools
 import jax
 import pytest
 
-from paged_jax.engine import step as step_lib
-from paged_jax.engine import window as window_lib
+from paged_jax.engine.programs import PROGRAMS
 from paged_jax.models import parallel
 from paged_jax.models.testing import byte_tokenizer, random_params, tiny_moe_config
 from tests.engine_helpers import (
@@ -78,10 +77,10 @@ def test_beam_search_matches_a_brute_force_reference():
 
 def test_no_recompilation_after_warmup():
     run(engine(moe_parts()), workload())
-    sizes = (step_lib.run_step._cache_size(), window_lib.decode_window._cache_size())
+    built = PROGRAMS.built
     outs = run(engine(moe_parts()), [(f"b{rid}", p, sp) for rid, p, sp in workload()])
     assert len(outs) == N
-    assert (step_lib.run_step._cache_size(), window_lib.decode_window._cache_size()) == sizes
+    assert PROGRAMS.built == built
 
 
 needs4 = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (fake) devices")

@@ -17,8 +17,8 @@ from paged_jax.cache.config import CacheConfig
 from paged_jax.compile_cache import relieve_jit_mappings
 from paged_jax.engine import EngineConfig
 from paged_jax.engine import speculative as spec_lib
+from paged_jax.engine.programs import PROGRAMS
 from paged_jax.engine.speculative import SpeculativeConfig, ngram_propose
-from paged_jax.engine.verify import run_verify
 from paged_jax.sampling_params import SamplingParams
 from tests.engine_helpers import BUCKETS, all_free, engine, run
 
@@ -105,9 +105,9 @@ def second_run_compiles_no_verify(eng, sp: SamplingParams) -> None:
     relieve_jit_mappings(fraction=0.3)
     with mock.patch.object(compile_cache, "relieve_jit_mappings", lambda *a, **k: False):
         first = run(eng, [(str(i), p, sp) for i, p in enumerate(PROMPTS)])
-        before = run_verify._cache_size()
+        before = PROGRAMS.built_by["run_verify"]
         again = run(eng, [(f"again {i}", p, sp) for i, p in enumerate(PROMPTS)])
-        assert run_verify._cache_size() == before
+        assert PROGRAMS.built_by["run_verify"] == before
     assert [again[f"again {i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == [
         first[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))]
 

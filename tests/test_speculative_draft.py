@@ -13,8 +13,8 @@ import pytest
 
 from paged_jax import compile_cache
 from paged_jax.compile_cache import relieve_jit_mappings
+from paged_jax.engine.programs import PROGRAMS
 from paged_jax.engine.speculative import SpeculativeConfig
-from paged_jax.engine.verify import run_verify
 from paged_jax.models.testing import random_params, tiny_config
 from paged_jax.sampling_params import SamplingParams
 from tests.engine_helpers import BUCKETS, all_free, engine, model, run
@@ -134,12 +134,12 @@ def test_one_at_a_time_after_warm_up_compiles_no_verify_program():
     relieve_jit_mappings(fraction=0.3)  # no program dropped while counting (test_speculative)
     with mock.patch.object(compile_cache, "relieve_jit_mappings", lambda *a, **k: False):
         run(eng, [("warm", PROMPTS[0], GREEDY)])
-        before = run_verify._cache_size()
+        before = PROGRAMS.built_by["run_verify"]
         for i, prompt in enumerate(PROMPTS[1:]):
             for most in (5, 6, 7, 13):
                 sp = SamplingParams(temperature=0.0, max_tokens=most, ignore_eos=True)
                 assert run(eng, [(f"{i} {most}", prompt, sp)])[f"{i} {most}"].outputs
-        assert run_verify._cache_size() == before
+        assert PROGRAMS.built_by["run_verify"] == before
     assert eng.scheduler.spec.num_draft_tokens > 0
 
 

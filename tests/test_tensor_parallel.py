@@ -8,8 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from paged_jax.engine import step as step_lib
-from paged_jax.engine import window as window_lib
+from paged_jax.engine.programs import PROGRAMS
 from paged_jax.models import parallel
 from paged_jax.models.testing import tiny_config
 from paged_jax.sampling_params import SamplingParams
@@ -97,10 +96,10 @@ def test_layout_rules():
 def test_no_recompilation_after_warmup():
     reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(8))]
     run(engine(tensor_parallel_size=2), reqs)
-    sizes = (step_lib.run_step._cache_size(), window_lib.decode_window._cache_size())
+    built = PROGRAMS.built
     outs = run(engine(tensor_parallel_size=2), [(f"b{i}", p, sp) for i, p, sp in reqs])
     assert len(outs) == len(reqs)
-    assert (step_lib.run_step._cache_size(), window_lib.decode_window._cache_size()) == sizes
+    assert PROGRAMS.built == built
 
 
 def test_sharded_params_rebuild_the_unsharded_weights():

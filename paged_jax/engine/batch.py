@@ -15,8 +15,10 @@ its work costs while the number of compiled programs stays small:
                       3 * 2^(k-1) from 16 up to budget / 4, else the budget (a short
                       prompt's step costs what its tokens cost, not a 128-token step:
                       `experiments.weight_layout`; a 41-token prompt pads to 48, not 64)
-      max_q           1 (decodes), T / 8 (every chunk short), or T
-      max_q_rows      1, 4 or R rows with more than one token (they come first)
+      max_q           1 (decodes), T / 8 (every chunk short; for the backends whose cost
+                      follows it: the jnp reference, Pallas), or T
+      max_q_rows      the jnp reference only (it pads each long row to max_q): 1, 4 or R
+                      rows with more than one token (they come first); None elsewhere
       admissions A    max_num_seqs entries (none in a decode-only step that admits nothing)
     verify with a draft model: its catch-up tokens C a half octave of theirs, its max_q the
       next power of two of the longest row's
@@ -328,11 +330,15 @@ def _step_shape(chunks, t: int, r: int, rows: list[Sequence], ec, backend: str,
     num_long = sum(1 for _, n in chunks if n > 1)
     if fixed_verify:  # as if every row verified k drafts (_drafting_model)
         longest, num_long = ec.speculative.k + 1, r
-    max_q = 1 if not num_long else max(1, t // 8) if longest <= t // 8 else t
-    long_rows = None if not num_long else 1 if num_long == 1 else 4 if num_long <= 4 else r
+    # Only the backends whose cost follows these bounds get their buckets (the C++ kernel
+    # walks each row's own queries): fewer programs for a server to build and hold.
+    paged = backend in PAGED_COST_BACKENDS
+    short = paged and longest <= t // 8
+    max_q = 1 if not num_long else max(1, t // 8) if short else t
+    long_rows = None if not num_long or backend != "reference" else \
+        1 if num_long == 1 else 4 if num_long <= 4 else r
     if ec.static_shapes:
         max_q, long_rows = t, None
-    paged = backend in PAGED_COST_BACKENDS
     full = cdiv(max_q, ec.block_size) if ec.enable_prefix_caching else 0
     return StepShape(
         max_q=max_q, max_q_rows=min(long_rows, r) if long_rows else None,

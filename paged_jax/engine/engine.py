@@ -35,6 +35,7 @@ import time
 from typing import TYPE_CHECKING
 
 from paged_jax.engine import input as inp
+from paged_jax.engine import warmup
 from paged_jax.engine.config import EngineConfig
 from paged_jax.engine.constraints import Constraints
 from paged_jax.engine.kv_manager import KVManager
@@ -114,6 +115,13 @@ class Engine:
         self.stats: collections.deque[StepStats] = collections.deque(maxlen=RECENT_STEPS)
         self.recorder: list[StepStats] | None = None
         self.constraints = Constraints(tokenizer, config.vocab_size)  # structured outputs
+
+    def warm_up(self, level: str = "auto", progress=None) -> warmup.Report:
+        """Builds the programs this configuration meets at `level` ("none", "auto",
+        "full": engine/warmup.py) before any request runs; returns what it built.
+        `progress(phase, done, total)` is called after each program."""
+        return warmup.run(self.runner, level, list(self.model_config.eos_token_ids),
+                          self.model_config.vocab_size, progress)
 
     @property
     def state(self):

@@ -39,6 +39,7 @@ from paged_jax.engine import batch as batch_lib
 from paged_jax.engine import wire
 from paged_jax.engine.config import EngineConfig
 from paged_jax.engine.plan import Plan
+from paged_jax.engine.programs import PROGRAMS, layout_of
 from paged_jax.engine.sequence import Sequence
 from paged_jax.engine.settle import run_ops
 from paged_jax.engine.state import EngineState, StepConfig
@@ -248,7 +249,10 @@ class Runner:
                               ec.enable_prefix_caching, draft and draft[0],
                               ec.speculative.draft_stop_probability if draft else 0.0)
         self._eos = list(model.eos_token_ids)
-        self._programs = 0  # compiled programs seen after the last call
+        self.programs = PROGRAMS  # every program an engine calls (engine/programs.py)
+        self._programs = 0  # programs built as of the last call
+        # what the programs are specialised on beyond the call's batch (fixed for this runner)
+        self.layout = layout_of((self.params, self.state, self.draft_params))
 
     def _lay_out(self, params: Params, device, quantization: str | None = None) -> Params:
         """One device's parameters in the forward's layout (prepare_params) and the matmuls'
@@ -290,27 +294,39 @@ class Runner:
         if plan.restores:
             self._swap_in(call, plan.restores)
         t0 = time.perf_counter()
-        if call.kind == "step":
-            self.state, out = run_step(self.params, self.state, call.batch,
-                                       self.draft_params, cfg=self.cfg,
-                                       shape=call.shape)
-        elif call.kind == "verify":
-            dparams = None if call.draft is None else self.draft_params
-            self.state, out = run_verify(self.params, self.state, call.batch, dparams,
-                                         call.draft, cfg=self.cfg, shape=call.shape)
-        elif call.kind == "window":
-            self.state, out = decode_window(self.params, self.state, *call.window, call.ops,
-                                            cfg=self.cfg, window=self.config.decode_window,
-                                            shape=call.shape)
-        else:
+        if call.kind == "ops":
             out = self._ops(call)
+        else:
+            fn, args, keyed, static = self.program_args(call)
+            self.state, out = self.programs.call(fn, self.layout, args, keyed, static)
         self._watch_programs()
         return Pending(call, out, t0)
 
+    def program_args(self, call: batch_lib.Call) -> tuple:
+        """(jitted function, its arguments, those whose shapes vary, its static arguments)
+        of a call: what `programs` keys and compiles (engine/warmup.py builds them ahead)."""
+        if call.kind == "ops":
+            st = self.state
+            return run_ops, (st.pool, st.table, call.ops), (call.ops,), {}
+        if call.kind == "step":
+            args = (self.params, self.state, call.batch, self.draft_params)
+            return run_step, args, (call.batch,), \
+                dict(cfg=self.cfg, shape=call.shape)
+        if call.kind == "verify":
+            dparams = None if call.draft is None else self.draft_params
+            args = (self.params, self.state, call.batch, dparams, call.draft)
+            return run_verify, args, (call.batch, call.draft, dparams is None), \
+                dict(cfg=self.cfg, shape=call.shape)
+        args = (self.params, self.state, *call.window, call.ops)
+        return decode_window, args, (call.window, call.ops), \
+            dict(cfg=self.cfg, window=self.config.decode_window, shape=call.shape)
+
     def _ops(self, call: batch_lib.Call) -> dict[str, jax.Array]:
-        st = self.state
-        pool, table, num_free, refcount = run_ops(st.pool, st.table, call.ops)
-        self.state = dataclasses.replace(st, pool=pool, table=table)
+        # a step's ops too, ahead of its swap-ins (_swap_in): as an ops-only call
+        fn, args, keyed, static = self.program_args(batch_lib.Call("ops", [], call.ops))
+        pool, table, num_free, refcount = self.programs.call(fn, self.layout, args, keyed,
+                                                             static)
+        self.state = dataclasses.replace(self.state, pool=pool, table=table)
         return dict(num_free=num_free, refcount=refcount)
 
     def _to_host(self, call: batch_lib.Call, out: dict) -> StepOutput:
@@ -374,8 +390,6 @@ class Runner:
     def _watch_programs(self) -> None:
         """After a call that compiled a new program, keeps the process under the kernel's
         limit on memory mappings (compile_cache.relieve_jit_mappings)."""
-        programs = (run_step._cache_size() + decode_window._cache_size()
-                    + run_verify._cache_size())
-        if programs != self._programs and compile_cache.relieve_jit_mappings():
-            programs = 0
-        self._programs = programs
+        if self.programs.built != self._programs:
+            compile_cache.relieve_jit_mappings()  # programs.clear() too (on_clear)
+        self._programs = self.programs.built

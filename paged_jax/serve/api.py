@@ -4,7 +4,8 @@ two models plus "auto" (each request routed by the router's head; serve/routed.p
     POST /v1/completions        text or token-id prompts; stream: true -> server-sent events
     POST /v1/chat/completions   the model's chat template; stream: true -> SSE chunks
     GET  /v1/models             the served models ("auto" too when routing)
-    GET  /health                200 while the engine threads run, else 503
+    GET  /health                200 while the engine threads run and are warm; 503 with
+                                {"status": "warming", ...} during warm-up, else 503
     GET  /metrics               Prometheus text, vLLM's metric names (metrics.py)
 
 Errors carry OpenAI's body ({"error": {"message", "type", "param", "code"}}): 400 for a
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import time
 
@@ -52,10 +54,14 @@ class Served:
 
 
 def build_app(llm: LLM | RoutedLLM, model_name: str | None = None,
-              max_pending: int = 256, plan_eagerly: bool = False) -> FastAPI:
+              max_pending: int = 256, plan_eagerly: bool = False, warmup: str = "none",
+              on_warm=None) -> FastAPI:
     """The app serving `llm` as `model_name`; or, given a RoutedLLM, its two models under
     their names (`router.names`) and "auto" (each request routed by the router's head).
-    Engine threads stop with the app; `plan_eagerly` as in AsyncEngine."""
+    Engine threads stop with the app; `plan_eagerly` as in AsyncEngine. `warmup`: the level
+    each engine builds its programs at before its first step (engine/warmup.py; /health
+    answers 503 "warming" until all are built), `on_warm(model, phase, done, total)` its
+    progress."""
     router_ = llm if isinstance(llm, RoutedLLM) else None
     if router_ and (len(set(router_.names)) < 2 or AUTO in router_.names):
         raise ValueError(f'a routed server needs two model names other than "{AUTO}", got '
@@ -63,7 +69,8 @@ def build_app(llm: LLM | RoutedLLM, model_name: str | None = None,
     pairs = (zip(router_.names, (router_.weak, router_.strong), strict=True) if router_
              else [(model_name, llm)])
     metrics = ServerMetrics(model_name or AUTO)
-    models = {name: _served(m, name, max_pending, metrics, plan_eagerly) for name, m in pairs}
+    models = {name: _served(m, name, max_pending, metrics, plan_eagerly, warmup, on_warm)
+              for name, m in pairs}
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -79,11 +86,12 @@ def build_app(llm: LLM | RoutedLLM, model_name: str | None = None,
 
 
 def _served(llm: LLM, name: str, max_pending: int, metrics: ServerMetrics,
-            plan_eagerly: bool) -> Served:
+            plan_eagerly: bool, warmup: str, on_warm) -> Served:
     m = metrics.for_model(name)
     m.watch(llm.llm_engine)
     engine = AsyncEngine(llm.llm_engine, max_pending, on_step=m.after_step,
-                         on_abort=lambda rid: m.aborted(), plan_eagerly=plan_eagerly)
+                         on_abort=lambda rid: m.aborted(), plan_eagerly=plan_eagerly,
+                         warmup=warmup, on_warm=on_warm and functools.partial(on_warm, name))
     return Served(llm, name, engine, m)
 
 
@@ -96,8 +104,14 @@ async def _bad_request(_req, exc: proto.BadRequest) -> JSONResponse:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    alive = all(m.engine.error is None for m in request.app.state.models.values())
-    return Response(status_code=200 if alive else 503)
+    engines = [m.engine for m in request.app.state.models.values()]
+    if any(e.error is not None for e in engines):
+        return JSONResponse({"status": "stopped"}, 503)
+    if not all(e.warm for e in engines):  # requests are taken meanwhile: they wait
+        done, total = (sum(x) for x in zip(*(e.warm_progress for e in engines), strict=True))
+        return JSONResponse({"status": "warming", "programs_built": done,
+                             "programs_to_build": total}, 503)
+    return Response(status_code=200)
 
 
 @router.get("/metrics")

@@ -103,9 +103,16 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine, max_pending: int = 256,
                  on_step: Callable[[Engine, list[RequestOutput]], None] | None = None,
-                 on_abort: Callable[[str], None] | None = None, plan_eagerly: bool = False):
+                 on_abort: Callable[[str], None] | None = None, plan_eagerly: bool = False,
+                 warmup: str = "none",
+                 on_warm: Callable[[str, int, int], None] | None = None):
         self.engine, self.max_pending, self.plan_eagerly = engine, max_pending, plan_eagerly
         self.on_step, self.on_abort = on_step, on_abort
+        # warm-up (engine/warmup.py) runs on the engine thread before its first step;
+        # requests submitted meanwhile wait in the inbox
+        self.warmup, self.on_warm = warmup, on_warm
+        self.warm_progress = (0, 0)  # programs built, programs to build
+        self.warm_report = None if warmup != "none" else "none"  # set when warm
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams (caller threads vs the engine thread)
@@ -165,8 +172,23 @@ class AsyncEngine:
         self._watcher.join(timeout)
 
     # ---- engine thread ---------------------------------------------------------------------
+    @property
+    def warm(self) -> bool:
+        """Whether warm-up has finished (or was not asked for)."""
+        return self.warm_report is not None
+
+    def _warm_up(self) -> None:
+        def progress(phase: str, done: int, total: int) -> None:
+            self.warm_progress = (done, total)
+            if self.on_warm is not None:
+                self.on_warm(phase, done, total)
+
+        self.warm_report = self.engine.warm_up(self.warmup, progress)
+
     def _run(self) -> None:
         try:
+            if not self.warm:
+                self._warm_up()
             while not self._stop.is_set():
                 self._drain(block=not self.engine.has_unfinished())
                 if self._stop.is_set():

@@ -56,6 +56,16 @@ def parser() -> argparse.ArgumentParser:
                          '3}\' (turns async scheduling off)')
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--seed", type=int, default=0)
+    _server_flags(ap)
+    return ap
+
+
+def _server_flags(ap: argparse.ArgumentParser) -> None:
+    """The server's own flags (warm-up, admission bound, routing between two models)."""
+    ap.add_argument("--warmup", default="auto", choices=["none", "auto", "full"],
+                    help="programs built before /health answers 200 (engine/warmup.py): "
+                         "auto = every step shape of greedy and sampled requests; full adds "
+                         "top-k / top-p and logprobs; none = each built when first met")
     ap.add_argument("--max-pending", type=int, default=256,
                     help="requests queued or running at most; more get 503")
     ap.add_argument("--strong-model", default=None,
@@ -69,7 +79,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cost-budget", type=float, default=None,
                     help="instead of --strong-share: spend at most this fraction of "
                          "always-strong's cost per request (the head's modeled GPU costs)")
-    return ap
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
               hybrid_kv_cache=HYBRID[a.hybrid_kv_cache])
     name = a.served_model_name or default_name(a.model)
     if a.strong_model is None:
-        app = build_app(LLM(a.model, **kw), name, a.max_pending, a.plan_eagerly)
+        app = build_app(LLM(a.model, **kw), name, a.max_pending, a.plan_eagerly, a.warmup,
+                        WarmupLog())
     else:
         from paged_jax.routing.head import load, pair_folder
         from paged_jax.routing.router import RoutedLLM
@@ -106,10 +116,47 @@ def main(argv: list[str] | None = None) -> None:
         router = RoutedLLM(LLM(a.model, **kw), LLM(a.strong_model, **kw), head,
                            strong_share=a.strong_share, names=names,
                            cost_budget=a.cost_budget)
-        app = build_app(router, max_pending=a.max_pending, plan_eagerly=a.plan_eagerly)
+        app = build_app(router, max_pending=a.max_pending, plan_eagerly=a.plan_eagerly,
+                        warmup=a.warmup, on_warm=WarmupLog())
         name = f"{names[0]}, {names[1]} and auto"
     print(f"serving {name} on http://{a.host}:{a.port}/v1", flush=True)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+
+
+class WarmupLog:
+    """Warm-up progress: a bar on a terminal, else one line per phase (decode, prefill,
+    window, ops) of each model."""
+
+    def __init__(self):
+        import sys
+        import time
+
+        self.tty, self.t0 = sys.stderr.isatty(), time.perf_counter()
+        self.bar, self.phase = None, None
+
+    def __call__(self, model: str, phase: str, done: int, total: int) -> None:
+        import sys
+        import time
+
+        if self.tty:
+            from tqdm import tqdm
+
+            if self.bar is None:
+                self.bar = tqdm(total=total, desc=f"warming up {model}", unit="program")
+            self.bar.set_postfix_str(phase)
+            self.bar.update(1)
+            if done == total:
+                self.bar.close()
+                self.bar = None
+            return
+        took = f"{time.perf_counter() - self.t0:.1f} s"
+        if (model, phase) != self.phase:
+            print(f"warm-up {model}: building {phase} programs ({done - 1}/{total} built, "
+                  f"{took})", file=sys.stderr, flush=True)
+            self.phase = (model, phase)
+        if done == total:
+            print(f"warm-up {model}: {total} programs built in {took}", file=sys.stderr,
+                  flush=True)
 
 
 def default_name(model: str | None) -> str:
