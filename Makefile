@@ -8,7 +8,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE := false
 # Compiled XLA programs persist across runs in ~/.cache/paged_jax/xla: the library sets that
 # up itself (paged_jax/compile_cache.py), so scripts run outside make start warm too.
 
-.PHONY: setup models test test-slow lint run experiments peers notebooks gpu-check gpu-bench bench bench-allocator clean
+.PHONY: setup models test test-slow lint run experiments peers notebooks gpu-check gpu-bench bench bench-allocator clean cluster
 
 setup: $(STAMP)
 
@@ -55,6 +55,14 @@ lint: $(STAMP)
 
 run: $(STAMP)
 	$(VPY) -m experiments.headline
+
+# N replicas behind vllm-router on one port (serve/cluster.py): `make cluster REPLICAS=2
+# POLICY=round_robin MODEL=path.gguf`; any `paged-jax serve` flag goes in SERVE_FLAGS.
+REPLICAS ?= 2
+POLICY ?= cache_aware
+cluster: $(STAMP)
+	$(VPY) -m paged_jax.serve cluster $(MODEL) --replicas $(REPLICAS) --policy $(POLICY) --pin \
+	  $(SERVE_FLAGS)
 
 # `make experiments SKIP="peers block_size"` leaves experiments out; routing needs the 1.5B.
 experiments: models

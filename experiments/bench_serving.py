@@ -49,7 +49,8 @@ async def one(client, url: str, model: str, item, t0: float, timeout: float) -> 
     import httpx
 
     await asyncio.sleep(max(0.0, t0 + item.arrival - time.perf_counter()))
-    body = dict(model=model, prompt=item.prompt_token_ids, max_tokens=item.output_len,
+    prompt = getattr(item, "prompt", None) or item.prompt_token_ids  # text, else token ids
+    body = dict(model=model, prompt=prompt, max_tokens=item.output_len,
                 temperature=0.0, ignore_eos=True, stream=True,
                 stream_options={"include_usage": True})
     sent, times, tokens = time.perf_counter(), [], 0

@@ -8,9 +8,10 @@ Three servers (`python -m paged_jax.serve`, the default engine flags, started in
 
 For each: start-up seconds (process start to /health 200), then `--rounds` rounds of an idle
 TTFT (one request on an idle server) and an arrival TTFT (8 requests decode, and once each
-has its first token one more arrives), each round's arrival prompt of a different length
-(its prefill joins the decodes in a mixed step of another token bucket), and the XLA programs
-the server built after it said ready (paged_jax:xla_programs_built).
+has its first token one more arrives), the two prompts of a round as long as each other
+and each round's of another length (20, 57, 94, ... tokens: the arrival's prefill joins the
+decodes in a mixed step of another token bucket), and the XLA programs the server built
+after it said ready (paged_jax:xla_programs_built).
 
 Targets (issue 57), on the warm-up, cold-cache server: 0 programs built after ready, and
 arrival TTFT <= 2x idle TTFT in every round (experiments/common.py's rule on the per-round
@@ -101,8 +102,9 @@ def run_side(name: str, warmup: str, cache: str, a, rng) -> dict:
         idle, busy = [], []
         for r in range(a.rounds):
             prompts = [ids(rng, 24 + 8 * i) for i in range(DECODERS)]
-            idle.append(asyncio.run(idle_ttft(url, model, ids(rng, 20))))
-            busy.append(asyncio.run(arrival_ttft(url, model, prompts, ids(rng, 20 + 37 * r))))
+            n = 20 + 37 * r  # the idle request's prompt is as long (other tokens: no hits)
+            idle.append(asyncio.run(idle_ttft(url, model, ids(rng, n))))
+            busy.append(asyncio.run(arrival_ttft(url, model, prompts, ids(rng, n))))
         built = bs.scrape(url).get(bs.BUILDS[0], 0.0) - ready
     finally:
         proc.send_signal(signal.SIGINT)

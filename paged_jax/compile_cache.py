@@ -55,11 +55,18 @@ def _count_lines(path: str) -> int:
         return sum(1 for _ in f)
 
 
-def relieve_jit_mappings(fraction: float = 0.7) -> bool:
+RELIEVE_AT = 0.85
+"""Share of vm.max_map_count past which relieve_jit_mappings drops the programs: one step
+program adds under 1,000 mappings, so the margin (about 9,800 of 65,530) holds several; a
+server's warm-up (engine/warmup.py) must fit below it."""
+
+
+def relieve_jit_mappings(fraction: float = RELIEVE_AT) -> bool:
     """Drops in-memory compiled programs when the process nears the kernel's mapping limit.
 
     XLA:CPU maps each compiled kernel's code and data separately (about 1,000 mappings per
-    SmolLM2 step program), and a process that holds more than `vm.max_map_count` mappings
+    SmolLM2 step program: three per kernel), and a process that holds more than
+    `vm.max_map_count` mappings
     (65,530 by default) aborts in LLVM ("Unable to allocate section memory"). Above `fraction`
     of the limit this calls `clear_programs()`; programs still in use are reloaded from the
     persistent cache on their next call. Linux only; elsewhere it does nothing.

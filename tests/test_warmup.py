@@ -82,6 +82,11 @@ def test_levels_are_checked_and_mapping_limit_refused(monkeypatch):
     clear_programs()
     with pytest.raises(ValueError, match="vm.max_map_count"):
         eng.warm_up("full")
+    from paged_jax.serve.api import build_app
+    from tests.serve_helpers import MODEL, tiny_llm
+
+    with pytest.raises(ValueError, match="vm.max_map_count"):  # the server does not start
+        build_app(tiny_llm(), MODEL, warmup="auto")
 
 
 def test_full_adds_filters_and_logprobs():

@@ -123,6 +123,13 @@ class Engine:
         return warmup.run(self.runner, level, list(self.model_config.eos_token_ids),
                           self.model_config.vocab_size, progress)
 
+    def check_warm_up(self, level: str) -> int:
+        """Refuses (ValueError, naming why) a warm-up `level` this engine cannot do: an
+        unknown level, or more programs than the memory-mapping limit holds; else returns
+        how many programs it would build."""
+        return len(warmup.missing(self.runner, level, list(self.model_config.eos_token_ids),
+                                  self.model_config.vocab_size)[0])
+
     @property
     def state(self):
         """Everything on the device (EngineState), as the step programs take it."""

@@ -24,10 +24,12 @@ Not covered (built on first use, counted by `paged_jax:xla_programs_built`): pen
 logit bias, speculative decoding's verify steps, structured outputs' masks, prompt
 logprobs, hidden states, n > 1 forks and beam search, swap-ins.
 
-Each XLA:CPU step program holds about 660 memory mappings (measured on SmolLM2: 1,324 for
-two), and past 70% of `vm.max_map_count` the process drops its programs
-(compile_cache.relieve_jit_mappings): a level that would get there is refused before it
-builds anything, with the count.
+Each XLA:CPU step program holds 660-875 memory mappings (three per kernel: measured on
+SmolLM2, float32 and bfloat16), and past compile_cache.RELIEVE_AT (85%) of
+`vm.max_map_count` the process drops its programs (compile_cache.relieve_jit_mappings): a
+level that would get there is refused before it builds anything, with the count. `auto` at
+the server's defaults (16 sequences, 256 tokens a step) is 55 programs, about 48,000 of the
+65,530 mappings Linux allows by default; `full` needs a higher vm.max_map_count.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from paged_jax.sample import sampler as smp
 from paged_jax.sizes import cdiv, next_half_octave, next_pow2
 
 LEVELS = ("none", "auto", "full")
-MAPPINGS_PER_PROGRAM = 700  # measured ~660 on SmolLM2's step programs (module docstring)
+MAPPINGS_PER_PROGRAM = 900  # measured 660-875 on SmolLM2's step programs (module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +189,21 @@ class Report:
     seconds: float = 0.0
 
 
+def missing(runner, level: str, eos_ids: list[int], vocab_size: int) -> tuple[list, int]:
+    """([(item, fn, args, key, static)] of `plan`'s programs not built yet, how many are);
+    refuses, before anything is built, a level past the memory-mapping limit."""
+    ec = runner.config
+    items = plan(level, ec, runner.cfg.backend, ec.enable_prefix_caching)
+    todo = []
+    for item in items:
+        fn, args, keyed, static = runner.program_args(_call(ec, item, eos_ids, vocab_size))
+        key = key_of(fn, runner.layout, keyed, static)
+        if key not in runner.programs:
+            todo.append((item, fn, args, key, static))
+    _check_mappings(len(todo), level)
+    return todo, len(items) - len(todo)
+
+
 def run(runner, level: str, eos_ids: list[int], vocab_size: int,
         progress: Callable[[str, int, int], None] | None = None) -> Report:
     """Builds every program of `plan` for `runner` (engine/runner.py), in two threads.
@@ -199,24 +216,16 @@ def run(runner, level: str, eos_ids: list[int], vocab_size: int,
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    ec, t0 = runner.config, time.perf_counter()
-    items = plan(level, ec, runner.cfg.backend, ec.enable_prefix_caching)
-    report, jobs = Report(level, len(items)), []
+    t0 = time.perf_counter()
+    todo, present = missing(runner, level, eos_ids, vocab_size)
     with ThreadPoolExecutor(max(1, min(2, os.cpu_count() or 1))) as pool:
-        for item in items:
-            fn, args, keyed, static = runner.program_args(_call(ec, item, eos_ids, vocab_size))
-            key = key_of(fn, runner.layout, keyed, static)
-            if key in runner.programs:
-                report.present += 1
-            else:
-                jobs.append((item, pool.submit(runner.programs.build, fn, args, key, static)))
-        _check_mappings(len(jobs), level)
+        jobs = [(item, pool.submit(runner.programs.build, fn, args, key, static))
+                for item, fn, args, key, static in todo]
         for done, (item, job) in enumerate(jobs, start=1):
             job.result()
             if progress:
                 progress(item.phase, done, len(jobs))
-    report.built, report.seconds = len(jobs), time.perf_counter() - t0
-    return report
+    return Report(level, len(todo) + present, len(todo), present, time.perf_counter() - t0)
 
 
 def _call(ec, item: Item, eos_ids: list[int], vocab_size: int) -> batch_lib.Call:
@@ -237,7 +246,7 @@ def _check_mappings(n: int, level: str) -> None:
     drops every program (they would be built again while serving)."""
     import jax
 
-    from paged_jax.compile_cache import _count_lines
+    from paged_jax.compile_cache import RELIEVE_AT, _count_lines
 
     try:
         limit = int(open("/proc/sys/vm/max_map_count").read())
@@ -245,10 +254,11 @@ def _check_mappings(n: int, level: str) -> None:
     except OSError:
         return
     need = n * MAPPINGS_PER_PROGRAM
-    if jax.default_backend() == "cpu" and used + need > 0.7 * limit:
+    if jax.default_backend() == "cpu" and used + need > RELIEVE_AT * limit:
         raise ValueError(
             f"warm-up {level!r} would build {n} programs, about {need:,} memory mappings on "
-            f"XLA:CPU beside the {used:,} in use: past 70% of vm.max_map_count ({limit:,}), "
+            f"XLA:CPU beside the {used:,} in use: past {RELIEVE_AT:.0%} of vm.max_map_count "
+            f"({limit:,}), "
             "where the process drops its programs. Use --warmup auto (or none), fewer "
             "max_num_seqs / max_num_batched_tokens buckets, or raise the limit (sysctl "
             "vm.max_map_count)")

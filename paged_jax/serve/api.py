@@ -7,6 +7,7 @@ two models plus "auto" (each request routed by the router's head; serve/routed.p
     GET  /health                200 while the engine threads run and are warm; 503 with
                                 {"status": "warming", ...} during warm-up, else 503
     GET  /metrics               Prometheus text, vLLM's metric names (metrics.py)
+    GET  /get_load              {"load": requests running or waiting} (routers read it)
 
 Errors carry OpenAI's body ({"error": {"message", "type", "param", "code"}}): 400 for a
 malformed or bad request, naming the field (fields.py: every field's JSON type; messages.py:
@@ -112,6 +113,13 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": "warming", "programs_built": done,
                              "programs_to_build": total}, 503)
     return Response(status_code=200)
+
+
+@router.get("/get_load")
+async def load(request: Request) -> dict:
+    """Requests running or waiting, over the served models: what vllm-router's power_of_two
+    policy reads (serve/cluster.py)."""
+    return {"load": sum(m.engine.num_pending() for m in request.app.state.models.values())}
 
 
 @router.get("/metrics")

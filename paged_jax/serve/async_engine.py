@@ -113,6 +113,8 @@ class AsyncEngine:
         self.warmup, self.on_warm = warmup, on_warm
         self.warm_progress = (0, 0)  # programs built, programs to build
         self.warm_report = None if warmup != "none" else "none"  # set when warm
+        if warmup != "none":
+            engine.check_warm_up(warmup)  # a refusal stops the server's start, not its thread
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams (caller threads vs the engine thread)

@@ -85,6 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["cluster"]:  # `paged-jax cluster ...`: replicas behind a router
+        from paged_jax.serve import cluster
+
+        return cluster.main(args[1:])
     if args[:1] == ["serve"]:  # `paged-jax serve ...`
         args = args[1:]
     a = parser().parse_args(args)
