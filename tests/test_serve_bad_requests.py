@@ -183,6 +183,15 @@ def test_the_valid_bodies_pass():
     assert proto.chat_request(CHAT, byte_tokenizer())[0] == "<user>hi\n<assistant>"
 
 
+def test_a_routers_no_op_fields_pass_and_any_other_value_is_refused():
+    """vllm-router adds no_stop_trim / return_hidden_states (false) to what it forwards."""
+    body = dict(COMPLETION, no_stop_trim=False, return_hidden_states=False)
+    assert proto.completion_request(body)[0] == ["hi"]
+    for field in ("no_stop_trim", "return_hidden_states"):
+        with pytest.raises(proto.BadRequest, match=f"unsupported field.*{field}"):
+            proto.completion_request(dict(body, **{field: True}))
+
+
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_a_malformed_field_is_a_400_naming_it(client, case):
     url, base, field, value, named = case

@@ -35,6 +35,9 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
 STRUCTURED = {"response_format", "structured_outputs", *GUIDED}
 COMMON = {"model", "stream", "stream_options", "user", "max_tokens", "logit_bias",
           *SAMPLING, *EXTRA, *STRUCTURED}
+# Fields vllm-router (serve/cluster.py) adds to every /v1/completions body it forwards, at
+# values that ask for nothing: served as absent. Any other value is refused as unsupported.
+ROUTER_NO_OPS = {"no_stop_trim": False, "return_hidden_states": False}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 
@@ -101,10 +104,12 @@ def param_of(message: str) -> str | None:
 def check_body(body: dict, allowed: set[str], types: dict[str, Kind]) -> None:
     """Refuses a field this endpoint does not serve, or one of the wrong JSON type, naming it
     (api._body checked the body is an object)."""
-    unknown = sorted(set(body) - allowed)
+    unknown = sorted(k for k in set(body) - allowed if body[k] != ROUTER_NO_OPS.get(k, k))
     if unknown:
         raise BadRequest(f"unsupported field(s): {', '.join(unknown)}", unknown[0])
     for name, value in body.items():
+        if name not in allowed:
+            continue  # a router's field at its no-op value (ROUTER_NO_OPS)
         what, ok = types[name]
         if value is not None and not ok(value):
             raise BadRequest(f"{name} must be {what}, got {show(value)}", name)
