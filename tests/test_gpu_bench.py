@@ -4,14 +4,12 @@ and that it needs nothing the GPU machine's python lacks (no tokenizer, no check
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 
 import jax
 import pytest
 
 from experiments import gpu_bench
+from tests.blocked_imports import run_without
 
 TINY_MODEL = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True,
@@ -75,13 +73,7 @@ BLOCKED = ("tokenizers", "tqdm", "gguf", "safetensors", "jinja2", "transformers"
 
 def test_runs_with_only_jax_numpy_and_jaxtyping(tmp_path):
     """The GPU machine's python has jax, numpy and jaxtyping but none of these."""
-    code = textwrap.dedent(f"""
-        import sys
-        class Block:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in {BLOCKED!r}:
-                    raise ImportError("blocked: " + name)
-        sys.meta_path.insert(0, Block())
+    run_without(BLOCKED, f"""
         from experiments import gpu_bench
         from tests.test_gpu_bench import TINY
         tiny = dict(TINY, workload=dict(TINY["workload"], requests=2))
@@ -95,9 +87,6 @@ def test_runs_with_only_jax_numpy_and_jaxtyping(tmp_path):
         assert [p.name for p in paths] == ["gpu_bench.json"]
         print("ok")
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
 
 
 def test_engine_without_tokenizer_names_what_it_needs():

@@ -6,9 +6,6 @@ judged; and it needs nothing the GPU machine's python lacks."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 
 import jax
 import pytest
@@ -16,6 +13,7 @@ import pytest
 from experiments import gpu_check, gpu_engine
 from kernels import gpu_check as kc
 from kernels import gpu_timing, gpu_validate
+from tests.blocked_imports import run_without
 
 TINY_MODEL = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=64, tie_word_embeddings=True,
@@ -119,13 +117,7 @@ BLOCKED = ("tokenizers", "tqdm", "gguf", "safetensors", "jinja2", "transformers"
 def test_imports_nothing_the_gpu_machine_lacks():
     """The GPU machine's python has jax, numpy, jaxtyping (and no registry): the check's
     modules and the engine's import path need nothing else."""
-    code = textwrap.dedent(f"""
-        import sys
-        class Block:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in {BLOCKED!r}:
-                    raise ImportError("blocked: " + name)
-        sys.meta_path.insert(0, Block())
+    run_without(BLOCKED, """
         from experiments import gpu_check, gpu_engine
         from kernels import gpu_check as kc, dispatch, mosaic_decode
         from paged_jax.engine import Engine
@@ -133,6 +125,3 @@ def test_imports_nothing_the_gpu_machine_lacks():
                                                    vocab_size=512), "bfloat16")
         print("ok", gpu_check.environment()["triton"])
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]

@@ -339,13 +339,29 @@ def _step_shape(chunks, t: int, r: int, rows: list[Sequence], ec, backend: str,
         1 if num_long == 1 else 4 if num_long <= 4 else r
     if ec.static_shapes:
         max_q, long_rows = t, None
-    full = cdiv(max_q, ec.block_size) if ec.enable_prefix_caching else 0
-    return StepShape(
-        max_q=max_q, max_q_rows=min(long_rows, r) if long_rows else None,
-        max_new_blocks=next_pow2(cdiv(max_q, ec.block_size) + 1),
-        max_copies=_copies(chunks, ec, r),
-        max_pages=_pages(max(s.num_computed + n for s, n in chunks), ec) if paged else None,
-        flags=_flags(rows, ec), full_width=full)
+    pages = _pages(max(s.num_computed + n for s, n in chunks), ec) if paged else None
+    return dataclasses.replace(
+        step_shape(ec, max_q, _copies(chunks, ec, r), _flags(rows, ec), max_pages=pages),
+        max_q_rows=min(long_rows, r) if long_rows else None)
+
+
+def step_shape(ec, max_q: int, copies: int, flags: smp.SampleFlags, **pages) -> StepShape:
+    """A step's StepShape from its bucketed bounds (warm-up builds the same ones:
+    engine/warmup.py); `pages`: max_pages / decode_pages where the backend has them."""
+    return StepShape(max_q=max_q, max_new_blocks=next_pow2(cdiv(max_q, ec.block_size) + 1),
+                     max_copies=copies, flags=flags,
+                     full_width=cdiv(max_q, ec.block_size) if ec.enable_prefix_caching else 0,
+                     **pages)
+
+
+def token_buckets(ec) -> list[int]:
+    """Every T a step with prefill chunks can have (_step_buckets' rule, enumerated)."""
+    top = next_pow2(ec.max_num_batched_tokens)
+    out, t = [], next_half_octave(1, min(16, top))
+    while t <= top // 4:
+        out.append(t)
+        t = next_half_octave(t + 1, min(16, top))
+    return sorted(set(out) | {top})
 
 
 def _pages(num_tokens: int, ec) -> int:

@@ -45,7 +45,7 @@ from paged_jax.engine import batch as batch_lib
 from paged_jax.engine.programs import key_of
 from paged_jax.engine.step import StepBatch, StepShape
 from paged_jax.sample import sampler as smp
-from paged_jax.sizes import cdiv, next_half_octave, next_pow2
+from paged_jax.sizes import cdiv, next_pow2
 
 LEVELS = ("none", "auto", "full")
 MAPPINGS_PER_PROGRAM = 900  # measured 660-875 on SmolLM2's step programs (module docstring)
@@ -75,17 +75,6 @@ def flag_sets(level: str, ec) -> list[smp.SampleFlags]:
         j = ec.max_logprobs  # a request asking logprobs gets J top logprobs back
         sets += [dataclasses.replace(f, logprobs=True, num_top_logprobs=j) for f in sets]
     return list(dict.fromkeys(sets))
-
-
-def _token_buckets(ec) -> list[int]:
-    """Every T a step with prefill chunks can have (batch._step_buckets)."""
-    top = next_pow2(ec.max_num_batched_tokens)
-    lo = min(16, top)
-    out, t = [], next_half_octave(1, lo)
-    while t <= top // 4:
-        out.append(t)
-        t = next_half_octave(t + 1, lo)
-    return sorted(set(out) | {top})
 
 
 def _pages(ec, backend: str, rows: int, window: bool) -> list[dict]:
@@ -122,33 +111,30 @@ def plan(level: str, ec, backend: str, shares_blocks: bool) -> list[Item]:
     return items
 
 
-def _shape(ec, t: int, max_q: int, r: int, copies: bool, flags, pages: dict) -> StepShape:
-    return StepShape(max_q=max_q, max_new_blocks=next_pow2(cdiv(max_q, ec.block_size) + 1),
-                     max_copies=r * ec.num_groups if copies else 0, flags=flags,
-                     full_width=cdiv(max_q, ec.block_size) if ec.enable_prefix_caching else 0,
-                     **pages)
+def _shape(ec, max_q: int, r: int, copies: bool, flags, pages: dict) -> StepShape:
+    return batch_lib.step_shape(ec, max_q, r * ec.num_groups if copies else 0, flags, **pages)
 
 
 def _steps(ec, backend: str, shares: bool, flags) -> Iterator[Item]:
     if ec.static_shapes:
         r, t = batch_lib._step_buckets([], 0, ec)
         for pages in _pages(ec, backend, r, False):
-            yield Item("static", "step", _shape(ec, t, t, r, True, flags, pages), r, t, True)
+            yield Item("static", "step", _shape(ec, t, r, True, flags, pages), r, t, True)
         return
     s = next_pow2(ec.max_num_seqs)
     for r in (1 << i for i in range(s.bit_length())):  # decode-only: T = R, max_q 1
         for admit, copies in ((False, False), (True, False), (True, True))[:3 if shares else 2]:
             for pages in _pages(ec, backend, r, False):
-                yield Item("decode", "step", _shape(ec, r, 1, r, copies, flags, pages), r, r,
+                yield Item("decode", "step", _shape(ec, 1, r, copies, flags, pages), r, r,
                            admit)
     paged = backend in batch_lib.PAGED_COST_BACKENDS
-    for t in _token_buckets(ec):  # prefill chunks: R = every slot, admissions sent
+    for t in batch_lib.token_buckets(ec):  # prefill chunks: R = every slot, admissions sent
         for max_q in sorted({t, max(1, t // 8)} if paged else {t}):
             long_rows = [1, 4, s] if backend == "reference" else [None]
             for lr, copies, pages in ((lr, c, p) for lr in long_rows
                                       for c in (False, True)[:2 if shares else 1]
                                       for p in _pages(ec, backend, s, False)):
-                shape = dataclasses.replace(_shape(ec, t, max_q, s, copies, flags, pages),
+                shape = dataclasses.replace(_shape(ec, max_q, s, copies, flags, pages),
                                             max_q_rows=min(lr, s) if lr else None)
                 yield Item("prefill", "step", shape, s, t, True)
 
