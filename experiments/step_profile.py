@@ -29,13 +29,20 @@ import tempfile
 import time
 from pathlib import Path
 
-DUMP = Path(tempfile.mkdtemp(prefix="step_profile_hlo_"))
-# XLA reads its flags when the backend starts: set before anything runs on a device.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP}"
-                           " --xla_dump_hlo_module_re=.*(run_step|decode_window).*")
-# A program loaded from the persistent compile cache is not compiled, so XLA dumps nothing
-# for it: this process compiles everything it runs (paged_jax/compile_cache.py reads this).
-os.environ["PAGED_JAX_COMPILE_CACHE"] = "0"
+DUMP = Path(tempfile.gettempdir()) / "step_profile_hlo_unset"  # dump_programs sets it
+
+
+def dump_programs() -> None:
+    """Has XLA dump the engine's optimized programs into a fresh folder, and the compile cache
+    off (a program loaded from it is not compiled, so XLA would dump nothing for it; compile_
+    cache.py reads the switch when an engine starts). XLA reads its flags when the backend
+    starts: main calls this before anything runs on a device (not at import, so that
+    experiments.run_all can import this module beside the others)."""
+    global DUMP
+    DUMP = Path(tempfile.mkdtemp(prefix="step_profile_hlo_"))
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP}"
+                               " --xla_dump_hlo_module_re=.*(run_step|decode_window).*")
+    os.environ["PAGED_JAX_COMPILE_CACHE"] = "0"
 
 KINDS = ("matmul", "attention", "norm", "rope", "kv_write", "activation", "sampling",
          "bookkeeping")
@@ -108,6 +115,9 @@ def trace_events(trace_dir: str) -> list[dict]:
 def attribute(events: list[dict], mods: dict[str, dict[str, str]]) -> dict:
     """Device time by kind: each thunk event is read against the dumped module that names the
     most of the traced events (one program runs a phase's steps)."""
+    if not mods:
+        raise RuntimeError(f"XLA dumped no programs into {DUMP}: the backend started before "
+                           "dump_programs() set its flags")
     names = [e["name"].removeprefix("end: ") for e in events]
     best = max(mods.values(), key=lambda m: sum(n in m for n in names), default={})
     by_kind: dict[str, float] = {}
@@ -153,7 +163,10 @@ def run_batch(llm, prompts: list[list[int]], decode_steps: int, since: float) ->
     from paged_jax import SamplingParams
 
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    many = SamplingParams(temperature=0.0, max_tokens=decode_steps + 4, ignore_eos=True)
+    # Long enough that the first prompts still run when the last one is admitted (a prefill
+    # step holds at least one prompt's tokens) and for decode_steps more.
+    many = SamplingParams(temperature=0.0, max_tokens=decode_steps + 4 + len(prompts),
+                          ignore_eos=True)
     reqs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(reqs, many, use_tqdm=False)  # compiles every program both rows run
     eng, rows, b = llm.llm_engine, [], len(prompts)
@@ -166,6 +179,8 @@ def run_batch(llm, prompts: list[list[int]], decode_steps: int, since: float) ->
         eng.add_request(f"p{i}", {"prompt_token_ids": p}, many)
     eng.recorder = steps = []
     while not any(s.num_tokens == b and s.running == b for s in steps):
+        if not eng.has_unfinished():
+            raise RuntimeError(f"batch {b}: the requests ended before all {b} decoded at once")
         eng.step()  # the prefills, untraced, up to the first all-decode step
     with tempfile.TemporaryDirectory() as d:
         n0 = len(steps)
@@ -185,6 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     from paged_jax import LLM
 
     a = parse_args(argv)
+    dump_programs()
     if a.quick:
         a.batches, a.decode_steps, a.dtypes = [1, 4], 4, ["float32"]
     rows, lim, backends = [], {}, {}

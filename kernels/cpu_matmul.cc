@@ -204,7 +204,8 @@ struct Problem {
   float* y;
   int64_t panels_per_task, panel_tasks;
   bool bf16 = false;             // bfloat16 panels (cpu_matmul_bf16.h)
-  const uint32_t* xb = nullptr;  // x as bfloat16 pairs (AVX-512 BF16, two rows or more)
+  const uint32_t* xb = nullptr;  // x as bfloat16 pairs (AVX-512 BF16, two rows or more; AMX)
+  bool amx = false;              // AMX tiles (xb's rows padded to 2 tiles with zeros)
 
   const uint16_t* bf16_panel(int64_t p) const {
     return static_cast<const uint16_t*>(panels) + p * K * kNR;
@@ -283,6 +284,14 @@ void run_task(const Problem& pb, int64_t t, std::vector<float>& buf, std::vector
       row_float(pb, p, cols);  // one row: the codes widened in registers
       continue;
     }
+    if (pb.amx) {  // AMX tiles, any row count: two panels (the last one may be alone)
+      const bool two = p + 1 < p1;
+      const int64_t cols_b = two ? std::min(kNR, pb.N - (p + 1) * kNR) : 0;
+      rows_amx(pb.xb, pb.K, m0, m1, pb.bf16_panel(p), pb.bf16_panel(two ? p + 1 : p),
+               pb.y + p * kNR, pb.N, cols, cols_b);
+      p += two;
+      continue;
+    }
     if (pb.bf16 && pb.M == 1) {  // one row: bfloat16 widened in registers
       micro_row_bf16(pb.x, pb.K, pb.bf16_panel(p), pb.y + p * kNR, cols);
       continue;
@@ -333,7 +342,10 @@ void run(ffi::ThreadPool& pool, Problem pb) {
   if (pb.bf16) {  // x rounded to bfloat16 once, on every path alike (batch-invariant sums)
     round_rows_bf16(pb.x, pb.M, pb.K, shared->xb, shared->xr);
     pb.x = shared->xr.data();
-    if (kBf16Dot && pb.M > 1) pb.xb = shared->xb.data();
+    pb.amx = kAmxBuilt && pb.K % 32 == 0 && amx_granted();
+    if (pb.amx)  // whole A tiles: the rows past M are zeros (their sums are never written)
+      shared->xb.resize((pb.M + 2 * kAmxRows - 1) / (2 * kAmxRows) * 2 * kAmxRows * pb.K / 2, 0);
+    if (pb.amx || (kBf16Dot && pb.M > 1)) pb.xb = shared->xb.data();
   } else if (pb.quantize_x && pb.K % kGX == 0) {  // every path multiplies x quantized
     // The integer path reads the codes; only the float fallback needs them dequantized.
     shared->xq.set(pb.x, pb.M, pb.K, !kIntegerRow);
@@ -347,10 +359,12 @@ void run(ffi::ThreadPool& pool, Problem pb) {
   shared->pb = pb;
   auto worker = [shared, tasks]() {
     std::vector<float> buf, buf2;  // int8 / int4: decoded panels
+    if (shared->pb.amx) amx_configure();
     for (int64_t t; (t = shared->next.fetch_add(1)) < tasks;) {
       run_task(shared->pb, t, buf, buf2);
       shared->done.fetch_add(1, std::memory_order_release);
     }
+    if (shared->pb.amx) amx_release();
   };
   const int64_t helpers = std::min(threads, tasks) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(worker)(worker));
@@ -467,6 +481,8 @@ ffi::Error packed_matmul_int4_coded(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   return ffi::Error::Success();
 }
 
+#include "cpu_argmax.h"  // greedy sampling's row argmax
+
 }  // namespace
 
 // The ISA-specific paths this build compiled, one bit each (tests/test_cpu_isa.py checks that
@@ -491,6 +507,9 @@ extern "C" uint32_t PagedJaxIsaPaths() {
 #ifdef __AVX512BF16__
   paths |= 32;  // vdpbf16ps bfloat16 dot products
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  paths |= 64;  // AMX bfloat16 tiles
+#endif
   return paths;
 }
 
@@ -500,6 +519,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmul, packed_matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // panels [P, K, 16]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RowArgmax, row_argmax,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [S, V]
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // [S]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulBf16, packed_matmul_bf16,
                               ffi::Ffi::Bind()

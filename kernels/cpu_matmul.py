@@ -55,6 +55,7 @@ TARGET_INT8 = "paged_jax_cpu_packed_matmul_int8"
 TARGET_INT4 = "paged_jax_cpu_packed_matmul_int4"
 TARGET_INT4_CODED = "paged_jax_cpu_packed_matmul_int4_coded"
 TARGET_BF16 = "paged_jax_cpu_packed_matmul_bf16"
+TARGET_ARGMAX = "paged_jax_cpu_row_argmax"
 NR = 16  # output columns per panel (cpu_matmul.cc's kNR)
 GROUP = weight_codes.GROUP  # inputs per scale (GGUF's Q4 block): never straddles a TP shard of 32
 WEIGHT_TYPES = ("float32", "bfloat16", "int8", "int4")
@@ -281,10 +282,12 @@ def _load(folder: str, isa: str) -> bool:
                           {TARGET: "PackedMatmul", TARGET_BF16: "PackedMatmulBf16",
                            TARGET_INT8: "PackedMatmulInt8",
                            TARGET_INT4: "PackedMatmulInt4",
-                           TARGET_INT4_CODED: "PackedMatmulInt4Coded"}, isa)
+                           TARGET_INT4_CODED: "PackedMatmulInt4Coded",
+                           TARGET_ARGMAX: "RowArgmax"}, isa)
 
 
 PATH_BF16_DOT = 32  # PagedJaxIsaPaths' bit: AVX-512 BF16 dot products compiled in
+PATH_AMX_BF16 = 64  # PagedJaxIsaPaths' bit: AMX bfloat16 tiles compiled in
 
 
 def isa_paths(folder: str, isa: str | None = None) -> int:
@@ -321,8 +324,18 @@ def matmul(x: jax.Array, w: Packed, isa: str | None = None) -> jax.Array:
     return out.reshape(*lead, w.n)
 
 
+def row_argmax(x: jax.Array, isa: str | None = None) -> jax.Array:
+    """x [S, V] -> [S] int32, each row's first maximum (a NaN row: its first NaN), as
+    jnp.argmax(x, axis=1) answers; the kernel of cpu_argmax.h (call `load` first)."""
+    if x.ndim != 2:
+        raise ValueError(f"row_argmax: expected x [S, V], got shape {x.shape}")
+    out = jax.ShapeDtypeStruct((x.shape[0],), jnp.int32)
+    return jax.ffi.ffi_call(cpp_build.target(TARGET_ARGMAX, isa), out)(x.astype(jnp.float32))
+
+
 def main() -> None:
-    """Checks the kernel against XLA's dot and times it, float32 and int8 panels, beside XLA
+    """Checks the kernel against XLA's dot and times it, float32, bfloat16 (AMX tiles where the
+    CPU has them), int8 and int4 panels, beside XLA
     (alternating, median of rounds) on SmolLM2-135M's projection shapes: q|k|v, o, gate|up,
     down and the LM head."""
     import time
@@ -333,14 +346,16 @@ def main() -> None:
               "head": (49152, 576)}
     ours = jax.jit(matmul)
     xla = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))))
-    print(f"{'rows':>5} {'weight':>8} {'packed ms':>10} {'int8 ms':>8} {'int4 ms':>8} "
+    print(f"{'rows':>5} {'weight':>8} {'packed ms':>10} {'bf16 ms':>8} {'int8 ms':>8} "
+          f"{'int4 ms':>8} "
           f"{'XLA ms':>8}  "
           f"max |diff|")
     for m in (1, 16, 64, 256):
         for name, (n, k) in shapes.items():
             w = rng.standard_normal((n, k), np.float32) / np.sqrt(k)
             x = jnp.asarray(rng.standard_normal((m, k), np.float32))
-            sides = {"packed": (ours, pack(w)), "int8": (ours, pack(w, "int8")),
+            sides = {"packed": (ours, pack(w)), "bf16": (ours, pack(w, "bfloat16")),
+                     "int8": (ours, pack(w, "int8")),
                      "int4": (ours, pack(w, "int4")), "xla": (xla, jnp.asarray(w))}
             err = float(jnp.abs(ours(x, sides["packed"][1]) - xla(x, sides["xla"][1])).max())
             reps = 3 if name == "head" else 30
@@ -348,7 +363,7 @@ def main() -> None:
             for _ in range(7):
                 for k, (fn, wk) in sides.items():
                     t[k].append(_timed(fn, (x, wk), reps, time))
-            widths = (10, 8, 8, 8)
+            widths = (10, 8, 8, 8, 8)
             ms = [f"{np.median(t[k]) * 1e3:{w_}.3f}" for k, w_ in zip(t, widths, strict=True)]
             print(f"{m:5d} {name:>8} {' '.join(ms)}  {err:.1e}")
 

@@ -215,3 +215,40 @@ def test_bfloat16_logits_track_float32_on_the_same_weights():
     want = logits(prepare_params(f32))
     assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
     assert (got.argmax(-1) == want.argmax(-1)).sum() >= 4
+
+
+@pytest.mark.skipif(not cpu_matmul.isa_paths(str(compile_cache.kernel_folder()))
+                    & cpu_matmul.PATH_AMX_BF16, reason="this build holds no AMX tiles")
+@pytest.mark.parametrize("k", [64, 576])
+def test_amx_rows_equal_at_every_batch(k):
+    """With AMX every row count runs the same tiles, each row's sums in the same order: a row
+    alone, in a batch of 5, 16, 33 or 97 (one or two tiles of rows, padded; one or several
+    tasks) gives the same bits, and matches float64 on bfloat16-rounded x. The other paths
+    agree only to rounding (one row widened in registers, vdpbf16ps from two)."""
+    rng = np.random.default_rng(k)
+    w = cpu_matmul.pack(rng.standard_normal((16 * 7 + 3, k), np.float32), "bfloat16")
+    x = rng.standard_normal((97, k), np.float32)
+    f = jax.jit(cpu_matmul.matmul)
+    alone = np.concatenate([np.asarray(f(jnp.asarray(x[i:i + 1]), w)) for i in range(97)])
+    for m in (5, 16, 33, 97):
+        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[:m]), w)), alone[:m])
+    xs = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+    want = xs @ np.asarray(cpu_matmul.unpack(w), np.float64).T
+    np.testing.assert_allclose(alone, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+@pytest.mark.parametrize("s, v", [(1, 5), (5, 32), (9, 1000), (64, 49152 + 7)])
+def test_row_argmax_answers_as_jnp_argmax(s, v):
+    """Greedy sampling's row kernel: ties go to the lowest id (inside a vector lane, across
+    lanes and in the tail past the last 32), a row of -inf gives 0, a row with NaNs its first
+    NaN, a row of equal values 0."""
+    rng = np.random.default_rng(s + v)
+    x = rng.standard_normal((s, v)).astype(np.float32)
+    x[0, v - 1] = x[0, min(2, v - 1)] = 9.0  # a tie: the tail's copy loses
+    if s > 1:
+        x[1], x[2] = -np.inf, 3.0
+        x[3, [v // 2, v - 1, v // 3]] = np.nan
+        x[4, [v // 5, v // 7, v - 1]] = 50.0
+    got = np.asarray(jax.jit(cpu_matmul.row_argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=1)))
+    assert got.dtype == np.int32

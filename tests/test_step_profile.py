@@ -43,6 +43,12 @@ def test_busy_time_is_the_union_of_intervals():
     assert att["us_by_kind"] == {"matmul": 10, "norm": 10} and att["busy_us"] == 15
 
 
+def test_no_dumped_program_is_an_error_not_an_empty_profile():
+    """Flags set after the backend started dump nothing: that must not read as 0 ms."""
+    with pytest.raises(RuntimeError, match="dumped no programs"):
+        sp.attribute([dict(name="dot_fusion", ts=0, dur=10)], {})
+
+
 @pytest.mark.slow
 def test_a_quick_profile_splits_real_steps(tmp_path):
     """In its own process, as a user runs it: this suite's processes compile other engines'

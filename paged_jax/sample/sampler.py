@@ -27,6 +27,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels import cpu_matmul
+from paged_jax import compile_cache
 from paged_jax.sample import grammar
 from paged_jax.sample.state import (  # noqa: F401 (the state API, re-exported)
     KEY_IMPL,
@@ -200,6 +202,21 @@ def _draw(logits: Float[Array, "S V"], state: SamplingState, filters: bool = Tru
     return jax.vmap(jax.random.categorical)(_row_keys(state), scaled).astype(jnp.int32)
 
 
+def first_argmax(x: Float[Array, "S V"]) -> Int[Array, "S"]:
+    """Each row's argmax, ties to the lowest id (a row holding NaN: its first NaN), as
+    jnp.argmax. On CPU the C++ row kernel (kernels/cpu_argmax.h): XLA:CPU's argmax reduces
+    one row at a time without vectors (1.8 ms at 16 rows of a 49k vocabulary, 6.9 at 64)."""
+    if _cpu_argmax():
+        return cpu_matmul.row_argmax(x)
+    return jnp.argmax(x, axis=1).astype(jnp.int32)
+
+
+@functools.cache
+def _cpu_argmax() -> bool:
+    """Whether this process runs on CPU with the C++ kernels built (decided once)."""
+    return jax.default_backend() == "cpu" and cpu_matmul.load(str(compile_cache.kernel_folder()))
+
+
 def _gather_logprobs(
     raw: Float[Array, "S V"], tokens: Int[Array, "S"], num_top: int
 ) -> tuple[Float[Array, "S"], Int[Array, "S"], Int[Array, "S J"], Float[Array, "S J"]]:
@@ -243,7 +260,7 @@ def sample(
     flags = flags or SampleFlags(num_top_logprobs=num_top_logprobs)
     logits = constrained(logits, flags, masks)
     processed = _processed(logits, state, flags)
-    greedy = jnp.argmax(processed, axis=1).astype(jnp.int32)
+    greedy = first_argmax(processed)
     tokens = greedy
     if flags.random:
         is_greedy = state.temperature == 0.0
@@ -294,7 +311,7 @@ def distribution(logits: Float[Array, "S V"], state: SamplingState,
     (speculative decoding's p and q must be the distributions the tokens come from)."""
     processed = _processed(logits, state, flags)
     v = processed.shape[1]
-    one_hot = jax.nn.one_hot(jnp.argmax(processed, axis=1), v, dtype=jnp.float32)
+    one_hot = jax.nn.one_hot(first_argmax(processed), v, dtype=jnp.float32)
     if not flags.random:
         return one_hot
     scaled = processed / jnp.maximum(state.temperature, 1e-5)[:, None]
