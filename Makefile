@@ -91,15 +91,18 @@ peers: .venv-vllm/.installed .venv-llama/.installed
 
 # paged-jax beside HF generate() (fp32, bf16), vLLM's CPU build and llama.cpp (those `make
 # peers` installed), in one run, alternating sides, medians of 3 rounds, the machine's limit
-# on every row -> results/bench.json. Then the Qwen pair's batch 1 and batch 64 rows
-# (results/bench_qwen2.5-coder-*.json; the 1.5B beside HF float32 and llama.cpp only: its
-# float32 copies in every side do not fit in 24 GB together). The serving benchmark against
-# vLLM's server follows.
+# on every row -> results/bench.json. Then the Qwen pair: the 0.5B's batch 1 and 64 rows with
+# every side; the 1.5B's batch 1 and 16 rows beside llama.cpp in two runs, each holding
+# what one comparison needs (all of our precisions' copies of the 1.5B, float32 twice, do
+# not fit in 24 GB together): float32 and int8 (results/bench_qwen2.5-coder-1.5b.json), then
+# bfloat16 and int4 (..._narrow.json). The serving benchmark against vLLM's server follows.
 bench: models
 	$(VPY) -m experiments.bench
 	$(VPY) -m experiments.bench --model qwen2.5-coder-0.5b --rows "batch 1" "batch 64"
-	$(VPY) -m experiments.bench --model qwen2.5-coder-1.5b --rows "batch 1" "batch 64" \
-	  --sides ours hf llamacpp --hf-dtypes float32
+	$(VPY) -m experiments.bench --model qwen2.5-coder-1.5b --rows "batch 1" "batch 16" \
+	  --sides ours ours-int8 llamacpp
+	$(VPY) -m experiments.bench --model qwen2.5-coder-1.5b --rows "batch 1" "batch 16" \
+	  --sides ours-bf16 ours-int4 llamacpp --name bench_qwen2.5-coder-1.5b_narrow
 	$(VPY) -m experiments.bench_serving --requests 32 --rates 1 2 inf --offline \
 	  $(if $(wildcard .venv-vllm/.installed),--vllm-python .venv-vllm/bin/python)
 

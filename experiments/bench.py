@@ -304,13 +304,20 @@ def chain_seconds(params, batch: int, repeats: int = 10) -> float:
     return best
 
 
+def reference_side(runs: dict, caching: bool) -> str:
+    """The side a row's "ours / side" ratios divide by: paged-jax float32, or where a run
+    leaves it out (the 1.5B's bfloat16 / int4 run: make bench) our first side there."""
+    name = "paged-jax float32" + (" +prefix cache" if caching else "")
+    return name if name in runs else next(n for n in runs if n.startswith("paged-jax"))
+
+
 def summarize(sides: list, rows: dict, m: dict, lims: dict) -> list[dict]:
     """One entry per row and side: median tok/s, spread, ratio to ours, agreement, and the
     limit of the side's precision (`lims` by weight type: bfloat16 sides beside bfloat16's;
     the integer sides beside float32's, named so)."""
     table = []
     for r, (n, tokens, caching) in rows.items():
-        ours_name = "paged-jax float32" + (" +prefix cache" if caching else "")
+        ours_name = reference_side(m["runs"][r], caching)
         ours_tps = [n * tokens / x["seconds"] for x in m["runs"][r][ours_name]]
         for s in sides:
             if s.name not in m["runs"][r]:
@@ -375,6 +382,65 @@ def versus(table: list[dict], ours_default: str) -> list[dict]:
     return out
 
 
+# Issue 56's bars, judged where a run holds both sides (experiments/common.py's rule on the
+# per-round values): (row, peer) -> how many times the peer's default our default must run.
+DEFAULT_BARS = {"smollm2": {("batch 16", "vLLM"): 1.2, ("batch 64", "vLLM"): 1.2,
+                            ("batch 1", "llama.cpp"): 1.1},
+                "qwen2.5-coder-1.5b": {("batch 1", "llama.cpp"): 1.0,
+                                       ("batch 16", "llama.cpp"): 1.0}}
+CHAIN_SHARE = 0.7  # float32's tok/s over its own matmul chain's, batch 16 and 64
+BF16_OVER_F32 = 1.5  # at batch 16, on a CPU whose kernel holds bfloat16 dot products
+INT8_OVER_F32 = 1.2  # at batch 16, on the 1.5B
+
+
+def targets(model: str, table: list[dict], default: str, bf16_dot: bool) -> list[dict]:
+    """The bars above that this run's sides can be judged on, each with its per-round values
+    and the one rule's verdict (a bar with a side missing from the run is left out)."""
+    got = {(e["row"], e["side"]): e for e in table}
+    out = []
+
+    def bar(name: str, values: list[float], target: float) -> None:
+        judged = common.target_verdict(values, target)
+        judged["bar"] = judged.pop("target")  # "target" names the bar, as in other files
+        out.append(dict(target=name, value=float(np.median(values)), **judged))
+
+    for (row, peer), x in DEFAULT_BARS.get(model, {}).items():
+        ours, theirs = got.get((row, default)), got.get((row, PEER_DEFAULTS[peer]))
+        if ours and theirs:
+            bar(f"{model} {row}: default ({default}) >= {x}x {peer}'s default",
+                common.round_ratios(ours["runs"], theirs["runs"]), x)
+    for row in ("batch 16", "batch 64"):
+        if (f32 := got.get((row, "paged-jax float32"))) is not None:
+            bar(f"{model} {row}: float32 >= {CHAIN_SHARE:.0%} of its matmul chain",
+                [v / f32["limit_tok_s"] for v in f32["runs"]], CHAIN_SHARE)
+    f32, bf16 = got.get(("batch 16", "paged-jax float32")), got.get(("batch 16",
+                                                                     "paged-jax bfloat16"))
+    if f32 and bf16:
+        x = BF16_OVER_F32 if bf16_dot else common.NOT_SLOWER
+        bar(f"{model} batch 16: bfloat16 >= {x}x float32",
+            common.round_ratios(bf16["runs"], f32["runs"]), x)
+    int8 = got.get(("batch 16", "paged-jax int8"))
+    if f32 and int8 and model == "qwen2.5-coder-1.5b":
+        bar(f"{model} batch 16: int8 >= {INT8_OVER_F32}x float32",
+            common.round_ratios(int8["runs"], f32["runs"]), INT8_OVER_F32)
+    return out
+
+
+def add_targets(path: Path) -> list[dict]:
+    """`python -m experiments.bench --targets FILE`: a results file's bars judged again from
+    its stored rounds (the bars came after some runs)."""
+    import json
+
+    from paged_jax import precision
+
+    data = json.loads(path.read_text())
+    model = data["config"]["model"]
+    dot = data["config"].setdefault("bf16_dot", precision.bf16_dot_here())  # the run's CPU
+    data["targets"] = targets(model, data["rows"], data["default"], dot)
+    path.write_text(json.dumps(data, indent=1, default=common._plain) + "\n")
+    return data["targets"]
+
+
 def report(rows: list[dict], sides: list) -> str:
     lines = ["| row | side | tok/s (median, +-spread) | ours / side | limit | share of limit |",
              "|---|---|---|---|---|---|"]
@@ -401,7 +467,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf-dtypes", nargs="+", default=["float32", "bfloat16"],
                     help="HF generate()'s sides (a 1.5B in both does not fit beside the rest)")
     ap.add_argument("--quick", action="store_true", help="tiny rows (a smoke test)")
+    ap.add_argument("--targets", type=Path, metavar="FILE",
+                    help="judge a results file's bars again from its rounds, run nothing")
     a = ap.parse_args(argv)
+    if a.targets:
+        for t in add_targets(a.targets):
+            print(f"{t['target']}: {t['verdict']} (worst {t['worst']:.2f}, best {t['best']:.2f})")
+        return {"targets": a.targets}
     from experiments import serving as sv
 
     parts = sv.real_model("float32", a.model)
@@ -418,12 +490,16 @@ def main(argv: list[str] | None = None) -> dict:
         lim["bfloat16"] = limits(sv.real_model("bfloat16", a.model), rows, m["work"])
     table = summarize(sides, rows, m, lim)
     extra = {k: v for s in sides for k, v in s.versions.items()}
+    from paged_jax import precision
+
+    default = default_side(a.model, parts)
     payload = dict(config=dict(model=a.model, rounds=a.rounds, rows={r: dict(
         batch=n, tokens=t, prefix_caching=c) for r, (n, t, c) in rows.items()},
-        limits=LIMITS, greedy=True, ignore_eos=True),
+        limits=LIMITS, greedy=True, ignore_eos=True, bf16_dot=precision.bf16_dot_here()),
         sides={s.name: s.settings for s in sides}, limits=lim["float32"], limits_by_precision=lim,
         rows=table,
-        default=default_side(a.model, parts), versus=versus(table, default_side(a.model, parts)))
+        default=default, versus=versus(table, default),
+        targets=targets(a.model, table, default, precision.bf16_dot_here()))
     name = a.name or ("bench" + ("" if a.model == "smollm2" else f"_{a.model}")
                       + ("_quick" if a.quick else ""))
     payload["json"] = str(common.save_json(name, payload, extra))

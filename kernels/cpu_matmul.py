@@ -67,7 +67,8 @@ WEIGHT_TYPES = ("float32", "bfloat16", "int8", "int4")
 @dataclasses.dataclass(frozen=True)
 class Packed:
     """A [n, K] weight packed for `matmul`: panels [ceil(n / 16), K, 16], float32, bfloat16
-    bits (uint16, pairs of k interleaved: cpu_matmul_bf16.h) or int8 (blocks of 4 k) with
+    bits (uint16, pairs of k interleaved: cpu_matmul_bf16.h; a panel's 16 pairs of k are
+    one AMX B tile as stored) or int8 (blocks of 4 k) with
     float16 scales [ceil(n / 16), K / G, 16]; or int4, panels
     [ceil(n / 16), K, 8] of two codes a byte (blocks of 8 k) with float16 scales and mins
     [ceil(n / 16), K / 32, 16], or (two-level) uint8 scale codes and int8 min codes of that
