@@ -135,7 +135,7 @@ def summarize(model: str, sides: list, config, n_params: int, measured: dict) ->
     ctx = len(work["batch 1"][0]) + TOKENS / 2 if "batch 1" in work else 0
     kv = kv_bytes_per_token(config, np.float32) * ctx
     for s in sides:
-        wb, read = weight_bytes(s, model)
+        wb, read = measured["weights"][s.name]
         row = dict(side=s.name, settings=s.settings, weight_bytes=wb, bytes_read_per_token=read,
                    bytes_per_param=wb / n_params, perplexity=ppl[s.name], **agree[s.name])
         for r, by_side in tps.items():
@@ -166,7 +166,9 @@ def run_model(model: str, batches: list[int], rounds: int) -> dict:
         ppl = {s.name: perplexity(s, ids) for s in sides}
         prompts = prompt_ids(tok, AGREE[0])
         agree = agreement({s.name: s.run(prompts, AGREE[1])["tokens"] for s in sides})
-        measured = dict(speed=speed(sides, tok, batches, rounds), ppl=ppl, agree=agree)
+        measured = dict(speed=speed(sides, tok, batches, rounds), ppl=ppl, agree=agree,
+                        weights={s.name: weight_bytes(s, model) for s in sides})
+        # (read before close: a side lets go of its engine there)
     finally:
         for s in sides:
             s.close()
