@@ -502,14 +502,14 @@ def main(argv: list[str] | None = None) -> dict:
     extra = {k: v for s in sides for k, v in s.versions.items()}
     from paged_jax import precision
 
-    default = default_side(a.model, parts)
+    default, dot = default_side(a.model, parts), precision.bf16_dot_here()
     payload = dict(config=dict(model=a.model, rounds=a.rounds, rows={r: dict(
         batch=n, tokens=t, prefix_caching=c) for r, (n, t, c) in rows.items()},
-        limits=LIMITS, greedy=True, ignore_eos=True, bf16_dot=precision.bf16_dot_here()),
+        limits=LIMITS, greedy=True, ignore_eos=True, bf16_dot=dot),
         sides={s.name: s.settings for s in sides}, limits=lim["float32"], limits_by_precision=lim,
         rows=table,
         default=default, versus=versus(table, default),
-        targets=targets(a.model, table, default, precision.bf16_dot_here()))
+        targets=targets(a.model, table, default, dot))
     name = a.name or ("bench" + ("" if a.model == "smollm2" else f"_{a.model}")
                       + ("_quick" if a.quick else ""))
     payload["json"] = str(common.save_json(name, payload, extra))

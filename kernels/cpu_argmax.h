@@ -7,8 +7,8 @@
 // Why a kernel: XLA:CPU's argmax is a variadic (value, index) reduction that runs one row at
 // a time without vectors: 1.8 ms at 16 rows and 6.9 ms at 64 over SmolLM2's 49152-entry
 // vocabulary (measured on a 2-core Xeon with AMX, beside a 1.8 ms bfloat16 LM head at 16
-// rows). Two vectorized passes over a row (its maximum, then where it first occurs; the row,
-// 192 KB, stays in L2 between them) and rows spread over the pool's threads.
+// rows; the kernel 0.1 and 0.33 ms). One vectorized pass over a row keeps each lane's maximum
+// and where it first came; rows spread over the pool's threads.
 
 typedef int32_t i8 __attribute__((vector_size(32)));
 

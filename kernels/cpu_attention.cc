@@ -127,8 +127,8 @@ struct Scales {
 };
 
 // sc[t] = q . k[t] for t in [t0, nt): four keys per pass, so that four sums build up side by
-// side (one key at a time, each 64-wide sum waited on its own chain and horizontal add; the
-// decode step at batch 64 spent 29% of its time here).
+// side (one key at a time, each 64-wide sum waited on its own chain and horizontal add).
+// `python -m kernels.cpu_attention` (64 decode rows, float32 pages): 0.59 -> 0.43 ms.
 inline void scores(const float* q, const float* k, int64_t D, int64_t t0, int64_t nt,
                    float* sc) {
   int64_t t = t0;

@@ -340,9 +340,9 @@ void run(ffi::ThreadPool& pool, Problem pb) {
   };
   auto shared = std::make_shared<Shared>();
   if (pb.bf16) {  // x rounded to bfloat16 once, on every path alike (batch-invariant sums)
-    round_rows_bf16(pb.x, pb.M, pb.K, shared->xb, shared->xr);
-    pb.x = shared->xr.data();
     pb.amx = kAmxBuilt && pb.K % 32 == 0 && amx_granted();
+    round_rows_bf16(pb.x, pb.M, pb.K, shared->xb, shared->xr, !pb.amx);
+    pb.x = pb.amx ? nullptr : shared->xr.data();  // AMX reads x only as pairs
     if (pb.amx)  // whole A tiles: the rows past M are zeros (their sums are never written)
       shared->xb.resize((pb.M + 2 * kAmxRows - 1) / (2 * kAmxRows) * 2 * kAmxRows * pb.K / 2, 0);
     if (pb.amx || (kBf16Dot && pb.M > 1)) pb.xb = shared->xb.data();

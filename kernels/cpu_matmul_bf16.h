@@ -79,15 +79,17 @@ void micro_row_bf16(const float* x, int64_t K, const uint16_t* panel, float* y, 
   std::memcpy(y, tile, cols * sizeof(float));
 }
 
-// x [M, K] rounded to bfloat16: as pairs of k in 32-bit words (vdpbf16ps's broadcast) and
-// widened back to float32 (the float paths multiply the same values).
+// x [M, K] rounded to bfloat16: as pairs of k in 32-bit words (vdpbf16ps's broadcast, AMX's
+// A tiles) and, unless `widen` is false (AMX reads only the pairs), widened back to float32
+// (the float paths multiply the same values).
 void round_rows_bf16(const float* x, int64_t M, int64_t K, std::vector<uint32_t>& pairs,
-                     std::vector<float>& widened) {
+                     std::vector<float>& widened, bool widen) {
   pairs.resize(M * K / 2);
-  widened.resize(M * K);
+  widened.resize(widen ? M * K : 0);
   for (int64_t i = 0; i < M * K / 2; ++i) {
     const uint32_t lo = to_bf16(x[2 * i]), hi = to_bf16(x[2 * i + 1]);
     pairs[i] = lo | hi << 16;
+    if (!widen) continue;
     const uint32_t wl = lo << 16, wh = hi << 16;
     std::memcpy(&widened[2 * i], &wl, 4);
     std::memcpy(&widened[2 * i + 1], &wh, 4);

@@ -1,8 +1,8 @@
 """`dtype="auto"` on CPU: the fastest precision whose quality holds, per checkpoint and machine.
 
     bfloat16  where the C++ matmul kernel holds AVX-512 BF16 dot products (half float32's
-              weight bytes, twice its multiply rate; AMX tiles, which every CPU with them
-              has beside, far more: kernels/cpu_matmul_bf16.h) and the
+              weight bytes, twice its multiply rate; CPUs with AMX tiles have them too, and
+              the kernel then runs the tiles: kernels/cpu_matmul_bf16.h) and the
               checkpoint's perplexity on PASSAGE stays within QUALITY (0.5%) of float32's
     float32   elsewhere
 
