@@ -236,35 +236,67 @@ def _workload(tok, n: int, caching: bool) -> list[list[int]]:
     return prompt_ids(tok, n, SYSTEM if caching else None)
 
 
-def limits(parts, rows: dict, work: dict) -> dict:
-    """Each row's machine limit in tok/s: the bandwidth roofline for batch 1, else the
-    model's matmul chain at the row's batch, on the faster of XLA's dot and the C++ kernel
-    (where it builds)."""
-    from paged_jax.engine.runner import matmul_backend
-    from paged_jax.models.llama import pack_params, prepare_params
-    from paged_jax.study.metrics import kv_bytes_per_token, measure_bandwidth, weight_bytes
+def limits(parts, rows: dict, work: dict, dtype: str = "float32") -> dict:
+    """Each row's machine limit in tok/s for `dtype` weights: the bandwidth roofline for
+    batch 1, else the model's matmul chain at the row's batch, on the faster of XLA's dot and
+    the C++ kernel (where it runs `dtype`). `parts` holds the float32 model; other precisions
+    are cast from it (the values do not change a matmul's time)."""
+    from paged_jax.study.metrics import (
+        kv_bytes_per_token,
+        measure_bandwidth,
+        streamed_weight_bytes,
+    )
 
     config, params = parts[0], parts[1]
     bw = measure_bandwidth()
-    forms = {"xla": prepare_params(params)}
-    dtype = forms["xla"]["embed"].dtype  # each precision's own limit: its bytes, its panels
-    if matmul_backend(None, dtype) == "cpu":
-        forms["cpu"] = pack_params(forms["xla"], str(np.dtype(dtype)))
-    steps: dict[int, dict] = {}  # one chain per batch size (batch 16 and prefix share it)
+    item = np.dtype(dtype).itemsize / params["embed"].dtype.itemsize
+    batches = sorted({n for n, *_ in rows.values() if n > 1})
+    steps: dict[int, dict] = {n: {} for n in batches}  # batch 16 and its prefix row share one
+    for kind, form in runtime_forms(params, dtype):
+        for n in batches:
+            steps[n][kind] = chain_seconds(form, n)
+        del form
     out = {}
-    for r, (n, tokens, _) in rows.items():
+    for r, (n, _, _) in rows.items():
         if n == 1:
-            ctx = len(work[r][0]) + tokens / 2
-            per_token = weight_bytes(params) + ctx * kv_bytes_per_token(config, dtype)
+            ctx = len(work[r][0]) + rows[r][1] / 2
+            per_token = (item * streamed_weight_bytes(params)
+                         + ctx * kv_bytes_per_token(config, dtype))
             out[r] = dict(kind="bandwidth roofline", tok_s=bw / per_token,
                           bytes_per_s=bw, bytes_per_token=per_token)
         else:
-            if n not in steps:
-                steps[n] = {k: chain_seconds(f, n) for k, f in forms.items()}
             step = min(steps[n].values())
             out[r] = dict(kind="matmul chain", tok_s=n / step, step_ms=1e3 * step,
                           step_ms_by_matmul={k: 1e3 * v for k, v in steps[n].items()})
     return out
+
+
+def runtime_forms(params, dtype: str):
+    """Yield ("xla", runtime form) then, where the C++ kernel runs `dtype`, ("cpu", its packed
+    panels), both in `dtype`: the panels are packed from XLA's form a layer at a time, each
+    float layer let go once packed, so one form is held beside `params` (all three float32
+    copies of the 1.5B at once peaked at 20 GB of 24, and the bfloat16 model loaded beside
+    them ran out)."""
+    import jax
+    import jax.numpy as jnp
+
+    from paged_jax.engine.runner import matmul_backend
+    from paged_jax.models.llama import pack_params, prepare_params
+
+    cast = lambda t: jax.tree.map(lambda a: a.astype(dtype), t)  # noqa: E731
+    stacked = params["layers"]
+    one = lambda i: prepare_params({"layers": {k: v[i:i + 1] for k, v in stacked.items()}})  # noqa: E731
+    form = {**cast({k: v for k, v in params.items() if k != "layers"}),  # a layer at a time
+            "layers": [cast(one(i)["layers"][0]) for i in range(len(stacked["wq"]))]}
+    yield "xla", form
+    if matmul_backend(None, jnp.dtype(dtype)) != "cpu":
+        return
+    layers, packed = form.pop("layers"), []
+    head = pack_params({**form, "layers": []}, dtype)
+    form.clear()
+    while layers:
+        packed.append(pack_params({**head, "layers": [layers.pop(0)]}, dtype)["layers"][0])
+    yield "cpu", {**head, "layers": packed}
 
 
 def matmul_chain(params, dot=None):
@@ -488,7 +520,7 @@ def main(argv: list[str] | None = None) -> dict:
     lim = {"float32": limits(parts, rows, work)}
     if ("ours-bf16" in a.sides or "vllm" in a.sides
             or ("hf" in a.sides and "bfloat16" in a.hf_dtypes)):  # bfloat16 sides' own limit
-        lim["bfloat16"] = limits(sv.real_model("bfloat16", a.model), rows, work)
+        lim["bfloat16"] = limits(parts, rows, work, "bfloat16")
     gc.collect()
     sides = make_sides(a.sides, a.model, parts, any(c for *_, c in rows.values()),
                        tuple(a.hf_dtypes))

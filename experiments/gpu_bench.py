@@ -153,7 +153,7 @@ def serve(eng, items, deadline: float) -> dict:
 def decode_roofline(config, params, plan: Plan, bandwidth: float, deadline: float) -> dict:
     """Decode step time at batch B and context C vs (weight + K/V bytes) / copy bandwidth."""
     from paged_jax.sampling_params import SamplingParams
-    from paged_jax.study.metrics import kv_bytes_per_token, weight_bytes
+    from paged_jax.study.metrics import kv_bytes_per_token, streamed_weight_bytes
 
     d = plan.decode
     sp = SamplingParams(temperature=0.0, max_tokens=d["tokens"], ignore_eos=True,
@@ -171,7 +171,7 @@ def decode_roofline(config, params, plan: Plan, bandwidth: float, deadline: floa
         return dict(error="the measured pass did not finish before the deadline")
     step = sum(s.duration for s in full) / sum(s.num_steps for s in full)
     ctx = d["prompt"] + d["tokens"] / 2
-    moved = weight_bytes(params) + d["batch"] * ctx * kv_bytes_per_token(
+    moved = streamed_weight_bytes(params) + d["batch"] * ctx * kv_bytes_per_token(
         config, eng.state.cache.dtype)
     return dict(batch=d["batch"], context=ctx, step_ms=step * 1e3,
                 roofline_ms=moved / bandwidth * 1e3, ratio=step * bandwidth / moved)

@@ -47,7 +47,8 @@ def layout_model(config: ModelConfig, max_len: int, head_dim: int | None = None)
 
 
 def _engine(parts, hybrid: bool, budget: int, max_len: int, chunk: int, seqs: int) -> LLM:
-    return LLM(model_parts=parts, enable_prefix_caching=False, hybrid_kv_cache=hybrid,
+    """`LLM`'s defaults (prefix caching on) but for the layout, pool and limits."""
+    return LLM(model_parts=parts, hybrid_kv_cache=hybrid,
                kv_cache_memory=budget, max_model_len=max_len, max_num_seqs=seqs,
                max_num_batched_tokens=chunk, async_scheduling=False)
 

@@ -139,11 +139,12 @@ def _bar_off(use_tqdm: bool) -> bool | None:
 def kv_groups_for(config, hybrid: bool | None, prefix_caching: bool,
                   speculative: SpeculativeConfig | None) -> KVGroups | None:
     """The engine's KV cache groups (cache/groups.py): sliding-window layers in groups of
-    their own when the model has them and `hybrid` is True, or None (auto) with prefix
-    caching off and no draft model (neither runs on groups yet); else None: one group."""
+    their own when the model has them and `hybrid` is True, or None (auto) with no draft
+    model (a draft does not run on groups yet); else None: one group. Prefix caching works
+    on groups (cache/prefix_cache.py)."""
     groups = plan_groups(tuple(config.window(i) for i in range(config.num_layers)))
     draft = speculative is not None and speculative.model is not None
-    if hybrid is False or not groups.hybrid or (hybrid is None and (prefix_caching or draft)):
+    if hybrid is False or not groups.hybrid or (hybrid is None and draft):
         return None
     return groups
 
@@ -240,9 +241,9 @@ class LLM:
         speculative_config's `model`.
       hybrid_kv_cache: sliding-window layers (Gemma 3's local ones) keep only their window's
         blocks, in KV cache groups of their own (cache/groups.py; vLLM V1's hybrid KV cache
-        manager). None (auto): on for a model with windows when prefix caching is off and
-        no draft model is used (neither runs on groups yet); True: on (an error with either);
-        False: every layer holds the whole sequence's blocks, as before.
+        manager), with or without prefix caching. None (auto): on for a model with windows
+        unless a draft model is used (a draft does not run on groups yet); True: on (an
+        error with a draft model); False: every layer holds the whole sequence's blocks.
     """
 
     def __init__(

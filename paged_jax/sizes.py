@@ -18,3 +18,13 @@ def next_half_octave(n: int, lo: int = 1) -> int:
     bucket: padding at most a third of the step, not half; `lo` a power of two)."""
     p = next_pow2(n, lo)
     return p * 3 // 4 if p >= 4 and p * 3 // 4 >= max(n, lo) else p
+
+
+def largest_fitting(n: int, fits) -> int:
+    """The largest m <= n with fits(m), for a `fits` that holds up to some size and not past
+    it (a chunk's blocks grow with its tokens); 0 when fits(1) does not hold."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo

@@ -39,7 +39,7 @@ def groups():
 
 
 def engine(hybrid: bool, **overrides):
-    kw = dict(enable_prefix_caching=False, **overrides)
+    kw = {"enable_prefix_caching": False, **overrides}
     return helpers.engine(model(), kv_groups=groups() if hybrid else None, **kw)
 
 
@@ -67,13 +67,37 @@ def test_groups_of_gemma_layouts():
     assert not plan_groups((None,) * 4).hybrid
 
 
-@pytest.mark.parametrize("static", [True, False])
-def test_hybrid_equals_one_group(one_group, static):
-    eng = engine(True, static_shapes=static)
+@pytest.mark.parametrize("static,caching", [(True, False), (False, False), (True, True),
+                                            (False, True)])
+def test_hybrid_equals_one_group(one_group, static, caching):
+    """With prefix caching too: every request after the first hits the shared prompt, in
+    every group (the sliding ones only their window's blocks before the hit point)."""
+    eng = engine(True, static_shapes=static, enable_prefix_caching=caching)
     outs = run(eng, requests(12), check=True)
     for rid, *_ in requests(12):
         assert tokens(outs, rid) == tokens(one_group, rid), rid
+    if caching:
+        assert eng.kv.prefix.hit_tokens >= 8 * len(SHARED) // 2, eng.kv.prefix.hit_tokens
     assert all_free(eng)
+
+
+def test_prefix_hits_past_the_window_in_every_group(one_group):
+    """The same requests twice: the second time each starts from the cache far past the
+    8-token window (its sliding groups attach only the window's blocks, zero before), and
+    gives the tokens it gave the first time; a pool too small for the cache to keep
+    everything evicts per group and still never serves a wrong block."""
+    for blocks, want in ((400, 0.9), (60, 0.0)):
+        eng = engine(True, enable_prefix_caching=True, num_kv_blocks=blocks)
+        first = run(eng, requests(6), check=True)
+        again = [(rid + "'", p, sp) for rid, p, sp in requests(6)]
+        before = eng.kv.prefix.hit_tokens
+        second = run(eng, again, check=True)
+        for rid, *_ in requests(6):
+            assert tokens(second, rid + "'") == tokens(first, rid) == tokens(one_group, rid)
+        hit = eng.kv.prefix.hit_tokens - before
+        prompt = sum(len(p) for _, p, _ in again)
+        assert hit >= want * prompt, (blocks, hit, prompt)
+        assert all_free(eng)
 
 
 def test_sliding_groups_hold_only_their_window():
@@ -94,9 +118,11 @@ def test_sliding_groups_hold_only_their_window():
     assert all_free(eng)
 
 
+@pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_forced_preemption_loses_nothing(one_group, mode):
-    eng = engine(True, num_kv_blocks=40, max_num_batched_tokens=16, preemption_mode=mode)
+def test_forced_preemption_loses_nothing(one_group, mode, caching):
+    eng = engine(True, num_kv_blocks=40, max_num_batched_tokens=16, preemption_mode=mode,
+                 enable_prefix_caching=caching)
     outs = run(eng, requests(12), check=True)
     assert sum(s.preempted for s in eng.stats) > 0, "the small cache should force preemption"
     for rid, *_ in requests(12):
@@ -107,11 +133,14 @@ def test_forced_preemption_loses_nothing(one_group, mode):
 NGRAM = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=4)
 
 
-def test_speculation_under_preemption_matches_one_group(one_group):
+@pytest.mark.parametrize("caching", [False, True])
+def test_speculation_under_preemption_matches_one_group(one_group, caching):
     """n-gram speculation in a pool too small for every request (the fast tier's check of
     the slow test below): verify steps roll back, preempted sequences come back, and the
-    windows still slide over the right blocks: one group's plain tokens."""
-    eng = engine(True, num_kv_blocks=40, max_num_batched_tokens=16, speculative=NGRAM)
+    windows still slide over the right blocks: one group's plain tokens. With prefix
+    caching, rolled-back tokens are never registered (blocks register after the rollback)."""
+    eng = engine(True, num_kv_blocks=40, max_num_batched_tokens=16, speculative=NGRAM,
+                 enable_prefix_caching=caching)
     assert eng.config.cache.num_groups > 1
     outs = run(eng, requests(12), check=True)
     assert eng.scheduler.num_preempted > 0, "the small cache should force preemption"
@@ -131,7 +160,7 @@ def test_parallel_samples_and_beams_match_one_group():
     beam = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
     got, scores = {}, {}
     for hybrid in (True, False):
-        eng = engine(hybrid)
+        eng = engine(hybrid, enable_prefix_caching=hybrid)  # groups with caching vs neither
         assert (eng.config.cache.num_groups > 1) == hybrid
         samples = tokens(run(eng, [("n3", prompt, sp)], check=True), "n3")
         out, _ = beam_search(eng, prompt, beam)
@@ -145,7 +174,7 @@ def test_parallel_samples_and_beams_match_one_group():
 
 def llm(hybrid: bool, **kw) -> LLM:
     return LLM(model_parts=model(), max_num_seqs=8, max_model_len=256, num_kv_blocks=300,
-               block_size=8, enable_prefix_caching=False, hybrid_kv_cache=hybrid, **kw)
+               block_size=8, hybrid_kv_cache=hybrid, **kw)  # prefix caching on (default)
 
 
 def test_parallel_sampling_beams_and_speculation_match_one_group():
@@ -178,9 +207,9 @@ def test_auto_choice_and_refusals():
         is False
     c = model()[0]
     assert kv_groups_for(c, None, False, None) == groups()
-    assert kv_groups_for(c, None, True, None) is None  # prefix caching: one group, as before
+    assert kv_groups_for(c, None, True, None) == groups()  # with prefix caching too
     assert kv_groups_for(c, False, False, None) is None
     assert kv_groups_for(helpers.model()[0], True, False, None) is None  # no windows
-    with pytest.raises(ValueError, match="prefix caching"):
-        LLM(model_parts=model(), enable_prefix_caching=True, hybrid_kv_cache=True,
-            num_kv_blocks=64, max_model_len=128)
+    on = LLM(model_parts=model(), enable_prefix_caching=True, num_kv_blocks=64,
+             max_model_len=128)  # the defaults: prefix caching on, groups on
+    assert on.engine_config.kv_groups == groups() and on.engine_config.enable_prefix_caching

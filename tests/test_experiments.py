@@ -100,6 +100,24 @@ def test_preemption():
     assert modes["recompute"]["preemptions"] > 0
 
 
+def test_sliding_window_chat():
+    """Multi-turn chat past the window with prefix caching on: both layouts give the same
+    tokens, every later turn hits the cache in both, hybrid's hit rate keeps up with one
+    group's while everything fits, and a pool a third of the workload evicts in both."""
+    from experiments import sliding_window_chat as chat
+    from experiments import sliding_window_engine as sw
+    from paged_jax.models.testing import tiny_gemma3_config
+
+    config = tiny_gemma3_config(sliding_window=512, max_position_embeddings=2048)
+    data = chat.run(sw.layout_model(config, 2048, head_dim=16), occupancies=(0.5, 3.0),
+                    rounds=2)
+    rows = {r["occupancy"]: r for r in data["rows"]}
+    assert all(r["same_tokens"] for r in rows.values())
+    assert rows[0.5]["hit_ratio"] >= 0.95 and rows[0.5]["hit_rate_one"] > 0.5
+    assert rows[3.0]["evicted_one"] > 0 and rows[3.0]["evicted_hybrid"] > 0
+    assert data["targets"]["hit_ratio_met"] and len(data["saturation"]["tok_s_runs"]["hybrid"]) == 2
+
+
 def test_sliding_window_kv():
     """Per-layer-group KV on a Gemma-shaped config: equal up to the window, less past it,
     never more; the bytes follow the block arithmetic."""
@@ -107,7 +125,7 @@ def test_sliding_window_kv():
 
     config = tiny_gemma3_config(sliding_window=512, max_position_embeddings=8192)
     data = load(sliding_window_kv.main(block=16, config=config, budget_gib=2 / 1024,
-                                       engine_contexts=(2048,), real=False))
+                                       engine_contexts=(2048,), real=False, chat=False))
     held = {r["layout"]: r for r in data["held"]}
     # The engine holds what its pool's block arithmetic says (one group 2, hybrid 5 here),
     # at most one short of it (the last one may be growing when the pool runs out).

@@ -11,6 +11,16 @@ and the blocks in use after every operation. After each one the device must pass
 `check_invariants`, map one-to-one onto the model's blocks, point dropped columns at the zero
 block, never write the zero block, and read back every live sequence's kept tokens group by
 group (each group writes its own values, so a block shared by mistake shows).
+
+Prefix caching runs on the same pool through the host's PrefixCache (cache/prefix_cache.py):
+full blocks are registered per group and marked cached on the device, cached blocks a window
+slid past or a release dropped wait in the LRU queue, evictions give them back, and a new
+sequence with a cached prefix attaches what each group holds at the hit point (a sliding
+group only its window's columns). The model tracks which abstract blocks are cached; a cached
+block, held or not, must still hold its registered tokens' K/V in its group, the device's
+cached and cached-free sets must equal the host's entries and LRU queue, and a hit must read
+back its tokens group by group. test_a_planted_eviction_bug_is_caught shows a per-group bug
+in the host's eviction is found.
 """
 
 from __future__ import annotations
@@ -22,7 +32,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, event, settings
+import pytest
+from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -35,12 +46,14 @@ from hypothesis.stateful import (
 
 from paged_jax.cache import kv_cache as kvc
 from paged_jax.cache import page_table as pt
+from paged_jax.cache import pool as pool_lib
 from paged_jax.cache.config import CacheConfig
 from paged_jax.cache.groups import first_kept, plan_groups
 from paged_jax.cache.invariants import check_invariants
 from paged_jax.cache.kv_cache import KVCache
 from paged_jax.cache.page_table import PageTable
 from paged_jax.cache.pool import BlockPool, init_pool
+from paged_jax.cache.prefix_cache import PrefixCache
 from paged_jax.sizes import cdiv
 
 CFG = CacheConfig(num_blocks=30, block_size=4, max_seqs=5, max_blocks_per_seq=8,
@@ -104,6 +117,16 @@ def _verify(pool, table, cache, num_new, values, accept):
 _add = jax.jit(pt.add_sequence)
 _fork = jax.jit(pt.fork)
 _release = jax.jit(pt.release)
+_attach = jax.jit(pt.attach_prefix)
+_mark = jax.jit(pool_lib.mark_cached)
+_evict = jax.jit(pool_lib.evict)
+
+
+class Hashed:
+    """A slot's tokens (the model's list itself) and its block-hash memo (PrefixCache)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens, self.block_hashes = tokens, []
 
 
 class Model:
@@ -114,12 +137,17 @@ class Model:
         self.cols: dict[int, list[dict[int, int]]] = {}  # slot -> per group: column -> block
         self.fresh = itertools.count(1)
         self.next_token = itertools.count(1)
+        self.cached: dict[int, int] = {}  # abstract block -> physical id, while cached
 
     def add(self, slot: int) -> None:
         self.tokens[slot], self.cols[slot] = [], [{} for _ in range(G)]
 
+    def held(self) -> set[int]:
+        return {b for per in self.cols.values() for c in per for b in c.values()}
+
     def used(self) -> int:
-        return len({b for per in self.cols.values() for c in per for b in c.values()})
+        """Blocks off the free stack: held by a sequence, or cached (cached-free ones too)."""
+        return len(self.held() | set(self.cached))
 
     def plan(self, counts: dict[int, int]) -> Plan | str:
         """What growing slot s by counts[s] allocates, or why it cannot: "long" (a sequence
@@ -139,7 +167,8 @@ class Model:
                 old, b = len(self.tokens[s]), last.get(s)
                 # All holders writing at once: the first keeps the block, the others copy.
                 keeps = b is not None and len(writers[b]) == holders[b] and writers[b][0] == s
-                copy = b is not None and holders[b] > 1 and not keeps
+                keeps &= b not in self.cached  # a cached block is never written in place
+                copy = b is not None and (holders[b] > 1 or b in self.cached) and not keeps
                 plan[g, s] = (cdiv(old + counts[s], K) - cdiv(old, K), copy)
         need = sum(grow + copy for grow, copy in plan.values())
         return plan if need <= CFG.num_blocks - 1 - self.used() else "pool"
@@ -187,6 +216,9 @@ class HybridMachine(RuleBasedStateMachine):
         self.model = Model()
         self.seen: np.ndarray | None = None  # host block tables after the last operation
         self.slid_from: dict[int, int] = {}  # physical block -> slot whose window dropped it
+        self.prefix = PrefixCache(K, CFG.windows)
+        self.hashed: dict[int, Hashed] = {}  # slot -> its tokens and hash memo
+        self.history: list[list[int]] = []  # token lists registered, for later hits
 
     def _count(self) -> None:
         HybridMachine.executed += 1
@@ -200,16 +232,18 @@ class HybridMachine(RuleBasedStateMachine):
     # ---- rules ---------------------------------------------------------------------------
     @initialize()
     def first_sequence(self) -> None:
-        self.table = _add(self.table, 0)
-        self.model.add(0)
+        self._add(0)
+
+    def _add(self, slot: int) -> None:
+        self.table = _add(self.table, slot)
+        self.model.add(slot)
+        self.hashed[slot] = Hashed(self.model.tokens[slot])
 
     @precondition(lambda self: len(self.model.tokens) < S)
     @rule(data=st.data())
     def add(self, data: st.DataObject) -> None:
         self._count()
-        slot = data.draw(st.sampled_from(self._free()))
-        self.table = _add(self.table, slot)
-        self.model.add(slot)
+        self._add(data.draw(st.sampled_from(self._free())))
 
     @precondition(lambda self: self.model.tokens)
     @rule(data=st.data())
@@ -217,9 +251,12 @@ class HybridMachine(RuleBasedStateMachine):
         self._count()
         gone = data.draw(st.lists(st.sampled_from(self._live()), min_size=1, unique=True))
         mask = jnp.array([s in gone for s in range(S)])
+        order = [b for s in gone for b in self.prefix.chain_blocks(  # tail first, all groups
+            self.hashed[s], len(self.model.tokens[s]) // K)]
         self.pool, self.table = _release(self.pool, self.table, mask)
         for s in gone:
-            del self.model.tokens[s], self.model.cols[s]
+            del self.model.tokens[s], self.model.cols[s], self.hashed[s]
+        self.prefix.on_release(np.asarray(self.pool.refcount), order)
 
     @precondition(lambda self: 0 < len(self.model.tokens) < S)
     @rule(data=st.data())
@@ -233,7 +270,10 @@ class HybridMachine(RuleBasedStateMachine):
     def step(self, data: st.DataObject) -> None:
         self._count()
         chosen = data.draw(st.lists(st.sampled_from(self._live()), min_size=1, unique=True))
-        self._run({s: data.draw(st.integers(0, MAX_NEW), label=f"n{s}") for s in chosen})
+        ran = self._run({s: data.draw(st.integers(0, MAX_NEW), label=f"n{s}") for s in chosen})
+        if ran and data.draw(st.booleans(), label="register"):  # as the engine's settle does
+            for s in chosen:
+                self._register(s)
 
     @precondition(lambda self: self.model.tokens)
     @rule(data=st.data())
@@ -284,6 +324,71 @@ class HybridMachine(RuleBasedStateMachine):
         self.pool, self.table = _fork(self.pool, self.table, jnp.array([src]), jnp.array([dst]))
         self.model.tokens[dst] = list(self.model.tokens[src])
         self.model.cols[dst] = [dict(c) for c in self.model.cols[src]]
+        self.hashed[dst] = Hashed(self.model.tokens[dst])
+
+    # ---- prefix caching --------------------------------------------------------------------
+    @precondition(lambda self: any(len(t) >= K for t in self.model.tokens.values()))
+    @rule(data=st.data())
+    def register(self, data: st.DataObject) -> None:
+        """A sequence's full blocks are registered in every group (the engine does it as
+        they fill; here at any time later too), marked cached on the device."""
+        self._count()
+        self._register(data.draw(st.sampled_from([s for s, t in self.model.tokens.items()
+                                                  if len(t) >= K])))
+
+    def _register(self, slot: int) -> None:
+        full, rows = len(self.model.tokens[slot]) // K, np.asarray(self.table.block_tables)
+        for g in range(G):
+            new = self.prefix.register(self.hashed[slot], 0, rows[g, slot, :full], g)
+            self.pool = _mark(self.pool, jnp.array(new + [0], jnp.int32))
+            for c, b in self.model.cols[slot][g].items():
+                if int(rows[g, slot, c]) in new:
+                    self.model.cached[b] = int(rows[g, slot, c])
+        self.history.append(list(self.model.tokens[slot]))
+
+    @precondition(lambda self: len(self.model.tokens) < S and self.history)
+    @rule(data=st.data())
+    def hit(self, data: st.DataObject) -> None:
+        """A new sequence whose tokens begin with registered ones (and go on with a new
+        one): it attaches what every group holds at the longest common hit point."""
+        self._count()
+        past = data.draw(st.sampled_from(self.history))
+        cut = data.draw(st.one_of(st.just(len(past)), st.integers(0, len(past))), label="cut")
+        query = Hashed(past[:cut] + [next(self.model.next_token)])
+        slot = data.draw(st.sampled_from(self._free()))
+        self._add(slot)
+        hit = self.prefix.lookup(query)
+        run = next((i for i in range(len(query.tokens) // K)
+                    if self.prefix._entry(query, i, CFG.windows.index(None)) is None),
+                   len(query.tokens) // K)
+        if hit.num_tokens < min(run * K, len(query.tokens) - 1):
+            self._label("prefix hit lowered by a sliding group's window")
+        if not hit.blocks:
+            return
+        self.prefix.acquire(hit)
+        blocks = np.zeros((G, P), np.int32)
+        for g, cols in enumerate(hit.columns):
+            blocks[g, :len(cols)] = cols
+        self.pool, self.table = _attach(self.pool, self.table, slot, blocks, hit.num_tokens)
+        abstract = {p: b for b, p in self.model.cached.items()}
+        self.model.tokens[slot] = self.hashed[slot].tokens = query.tokens[:hit.num_tokens]
+        self.model.cols[slot] = [{c: abstract[p] for c, p in enumerate(cols) if p}
+                                 for cols in hit.columns]
+        self._label("prefix hit")
+        if any(0 in cols for cols in hit.columns):
+            self._label("prefix hit: a sliding group attached only its window")
+
+    @precondition(lambda self: self.prefix.evictable)
+    @rule(data=st.data())
+    def evict(self, data: st.DataObject) -> None:
+        """The least recently used cached-free blocks go back on the free stack."""
+        self._count()
+        ids = self.prefix.evict(data.draw(st.integers(1, len(self.prefix.evictable))))
+        self.pool = _evict(self.pool, jnp.array(ids + [0] * (CFG.num_blocks - len(ids)),
+                                                jnp.int32))
+        gone = set(ids)
+        self.model.cached = {b: p for b, p in self.model.cached.items() if p not in gone}
+        self._label("evicted cached blocks")
 
     def _run(self, counts: dict[int, int], accept: dict[int, int] | None = None) -> bool:
         """A step (accept None) or verify step on device and model; returns ok."""
@@ -317,6 +422,7 @@ class HybridMachine(RuleBasedStateMachine):
         m.slide()
         if m.used() < used:
             self._label("slide freed blocks")
+        self.prefix.on_release(np.asarray(self.pool.refcount), [])  # slid-past cached blocks
         return True
 
     # ---- checks after every operation -----------------------------------------------------
@@ -328,6 +434,7 @@ class HybridMachine(RuleBasedStateMachine):
                                      self.cache.k[0], self.cache.v[0])))
         _check_blocks(self.model, host)
         _check_contents(self.model, host)
+        _check_cache(self.model, self.prefix, self.pool, host)
         self._note_reuse(host)
 
     def _note_reuse(self, host: Host) -> None:
@@ -352,7 +459,8 @@ def _check_blocks(model: Model, host: Host) -> None:
     assert CFG.num_blocks - 1 - int(host.num_free) == model.used(), "used blocks != model"
     assert np.flatnonzero(host.live).tolist() == live, "live slots differ from the model"
     assert host.lens[live].tolist() == [len(model.tokens[s]) for s in live]
-    fwd, back = {}, {}  # physical -> abstract block, and back
+    back = dict(model.cached)  # abstract -> physical block, and back
+    fwd = {p: b for b, p in back.items()}
     for s in live:
         for g, cols in enumerate(model.cols[s]):
             row = host.tables[g, s]
@@ -362,6 +470,20 @@ def _check_blocks(model: Model, host: Host) -> None:
                 phys = int(row[c])
                 assert fwd.setdefault(phys, b) == b and back.setdefault(b, phys) == phys, (
                     f"block {phys} (group {g} seq {s} column {c}) is not one model block")
+
+
+def _check_cache(model: Model, prefix: PrefixCache, pool: BlockPool, host: Host) -> None:
+    """The device's cached and cached-free blocks are the host's entries and LRU queue (and
+    the model's cached blocks), and each cached block holds its tokens' K/V in its group."""
+    cached, ref = np.asarray(pool.cached), np.asarray(pool.refcount)
+    assert set(np.flatnonzero(cached).tolist()) == set(prefix.hash_of) == set(
+        model.cached.values()), "cached blocks differ: device, host, model"
+    assert set(np.flatnonzero(cached & (ref == 0)).tolist()) == set(prefix.evictable), (
+        "cached-free blocks on the device are not the host's LRU queue")
+    k = host.k[0, :, :, 0]
+    for (_, g), e in prefix.entries.items():
+        np.testing.assert_array_equal(k[e.block], [value(t, g) for t in e.tokens],
+                                      err_msg=f"cached block {e.block} of group {g}")
 
 
 def _check_contents(model: Model, host: Host) -> None:
@@ -384,7 +506,9 @@ SETTINGS = settings(max_examples=400, stateful_step_count=50, deadline=None,
 MUST_HAPPEN = ("copy-on-write in a sliding group", "copy-on-write in a full group",
                "slide freed blocks", "verify step rolled back tokens",
                "exhaust: more than the pool holds is refused", "step refused (long): nothing "
-               "changes", "a block slid out of one window now holds another sequence's keys")
+               "changes", "a block slid out of one window now holds another sequence's keys",
+               "prefix hit", "prefix hit: a sliding group attached only its window",
+               "prefix hit lowered by a sliding group's window", "evicted cached blocks")
 
 
 def test_ten_thousand_operations() -> None:
@@ -395,6 +519,27 @@ def test_ten_thousand_operations() -> None:
     assert HybridMachine.executed >= 10_000, f"only {HybridMachine.executed} operations ran"
     missing = [e for e in MUST_HAPPEN if not HybridMachine.labels[e]]
     assert not missing, f"never reached: {missing} ({dict(HybridMachine.labels)})"
+
+def _evict_by_hash_in_group_0(self: PrefixCache, n: int) -> list[int]:
+    """A per-group eviction bug: the victim's entry is looked up in group 0 whatever its
+    group, so a sliding or full group keeps an entry naming a block back on the free stack."""
+    out = []
+    while self.evictable and len(out) < n:
+        b, _ = self.evictable.popitem(last=False)
+        h, _ = self.hash_of.pop(b)
+        self.entries.pop((h, 0), None)
+        out.append(b)
+    return out
+
+
+def test_a_planted_eviction_bug_is_caught(monkeypatch) -> None:
+    """The machine must fail on a per-group eviction bug (the issue's mutation check)."""
+    monkeypatch.setattr(PrefixCache, "evict", _evict_by_hash_in_group_0)
+    with pytest.raises(Exception, match="cached|block|K of|differ"):
+        run_state_machine_as_test(HybridMachine, settings=settings(
+            SETTINGS, max_examples=200, stateful_step_count=40, database=None,
+            phases=[Phase.generate]))  # found is enough: no shrinking
+
 
 TestHybridMachine = HybridMachine.TestCase  # the fast tier's short search; slow: >= 10,000
 TestHybridMachine.settings = settings(SETTINGS, max_examples=25, stateful_step_count=30)

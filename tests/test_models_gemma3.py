@@ -104,21 +104,27 @@ def test_greedy_matches_transformers(reference, hf_model, ours):
 
 
 def test_hybrid_kv_cache_gives_the_same_tokens(reference, ours):
-    """The engine with its sliding-window layers in KV cache groups of their own (6 groups
-    of 3 layers; cache/groups.py), which drop the blocks their 512-token window left, gives
-    the tokens of the paged loop that keeps everything (and so transformers', above)."""
+    """The engine with LLM's defaults: its sliding-window layers in KV cache groups of their
+    own (6 groups of 3 layers; cache/groups.py), which drop the blocks their 512-token window
+    left, and prefix caching on. It gives the tokens of the paged loop that keeps everything
+    (and so transformers', above), and gives them again when the same prompts come back and
+    start from the cache past the window (each sliding group attaching only its window)."""
     from paged_jax.llm import LLM
     from paged_jax.sampling_params import SamplingParams
 
     prompts, gen, _ = reference
-    llm = LLM(model_parts=ours, enable_prefix_caching=False, hybrid_kv_cache=True,
-              max_model_len=1024, max_num_batched_tokens=512, kv_cache_memory=256 << 20)
+    llm = LLM(model_parts=ours, max_model_len=1024, max_num_batched_tokens=512,
+              kv_cache_memory=256 << 20)
     groups = llm.engine_config.kv_groups
     assert groups.num_groups == 6 and groups.windows.count(WINDOW) == 5
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                        use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == [list(g) for g in gen]
+    assert llm.engine_config.enable_prefix_caching
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for again in (False, True):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == [list(g) for g in gen], again
+    cached = [o.num_cached_tokens for o in outs]
+    assert max(cached) > WINDOW and all(c >= len(p) - 16 for c, p in zip(cached, prompts,
+                                                                          strict=True)), cached
 
 
 def test_tokenizer_matches_transformers(ours):

@@ -109,6 +109,44 @@ def test_cache_aware_order_is_bounded():
     assert [r.request_id for r in order] == ["p", "a", "b", "c"]  # starved ones first, FCFS
 
 
+def _grouped_cache():
+    """K = 2, group 0 sliding (window 4), group 1 full; one sequence of 12 tokens registered
+    in both (group 1 in blocks 1-6, group 0 in 11-16), its window already slid past 11-14."""
+    pc, seq = PrefixCache(2, (4, None)), _seq(range(12))
+    pc.register(seq, 0, [11, 12, 13, 14, 15, 16], 0)
+    pc.register(seq, 0, [1, 2, 3, 4, 5, 6], 1)
+    ref = np.zeros(17, np.int32)
+    ref[[1, 2, 3, 4, 5, 6, 15, 16]] = 1
+    pc.on_release(ref, [])  # the slide: 11-14 cached-free
+    order = [pc.entries[h, g].block for h in reversed(seq.block_hashes) for g in (0, 1)]
+    pc.on_release(np.zeros(17, np.int32), order)  # the sequence is released
+    return pc
+
+
+def test_hit_in_groups_attaches_only_the_window():
+    """A sliding group's hit holds the columns its window reads at the hit point (3 and 4 at
+    10 tokens: positions 7 .. 9), zero before; the full group every column."""
+    pc = _grouped_cache()
+    hit = pc.lookup(_seq(list(range(11)) + [99]))  # 12 tokens, 5 blocks shared
+    assert hit.num_tokens == 10
+    assert hit.columns == ((0, 0, 0, 14, 15), (1, 2, 3, 4, 5))
+    assert hit.num_evictable == 7
+    pc.evict(1)  # block 16 of the sliding group
+    whole = pc.lookup(_seq(range(13)))  # the tail column's sliding block is gone
+    assert whole.num_tokens == 10 and whole.columns[0] == (0, 0, 0, 14, 15)
+
+
+def test_eviction_shrinks_a_grouped_hit_block_by_block():
+    """Released tail first in every group, the window's slid-past blocks included, so
+    evicting half the cache leaves a 6-token hit. Queued as they slid (11-14 first), the
+    same evictions would take the window's blocks everywhere: no hit at all (vLLM #48435)."""
+    pc = _grouped_cache()
+    assert list(pc.evictable)[:6] == [16, 6, 15, 5, 14, 4]
+    pc.evict(6)
+    hit = pc.lookup(_seq(range(13)))
+    assert hit.num_tokens == 6 and hit.columns == ((0, 12, 13), (1, 2, 3))
+
+
 # ---- engine: outputs with and without caching --------------------------------------------------
 SYSTEM = "You are a terse assistant. Answer in one line. "  # 47 bytes: not block aligned (K=8)
 

@@ -147,8 +147,8 @@ class PrefixMachine(RuleBasedStateMachine):
     def release(self, data):
         slot = data.draw(st.sampled_from(sorted(self.seqs)))
         seq = self.seqs.pop(slot)
-        order = [self.prefix.entries[h].block for h in reversed(seq.block_hashes[
-            : seq.num_computed // K]) if h in self.prefix.entries]
+        order = [self.prefix.entries[h, 0].block for h in reversed(seq.block_hashes[
+            : seq.num_computed // K]) if (h, 0) in self.prefix.entries]
         mask = jnp.arange(CFG.max_seqs) == slot
         self.pool, self.table = _release(self.pool, self.table, mask)
         self.prefix.on_release(np.asarray(self.pool.refcount), order)
@@ -165,7 +165,7 @@ class PrefixMachine(RuleBasedStateMachine):
         assert len(self.prefix.evictable) == int(num_cached_free(self.pool))
         ref = np.asarray(self.pool.refcount)
         assert all(ref[b] == 0 for b in self.prefix.evictable)
-        assert all(self.prefix.hash_of[e.block] == h for h, e in self.prefix.entries.items())
+        assert all(self.prefix.hash_of[e.block] == key for key, e in self.prefix.entries.items())
 
     @invariant()
     def contents_read_back(self):

@@ -187,7 +187,8 @@ def build_admissions(
         req = adm.seq.owner
         items.append((req.params, eos_ids, adm.seed))
         if adm.hit is not None:
-            hit_blocks[i, 0, :len(adm.hit.blocks)] = adm.hit.blocks  # one group: see kv_groups
+            for g, cols in enumerate(adm.hit.columns):  # 0 before a sliding group's window
+                hit_blocks[i, g, :len(cols)] = cols
             hit_tokens[i] = adm.hit.num_tokens
         if mask is not None:
             mask[i, req.prompt_token_ids] = True

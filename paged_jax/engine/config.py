@@ -92,7 +92,7 @@ class EngineConfig:
         None: off. Needs async_scheduling False (a draft needs the tokens of the step before).
       kv_groups: KV cache groups (cache/groups.py): sliding-window layers keep only their
         window's blocks. None: one group of every layer (models without windows, or the
-        hybrid layout turned off). Not yet with prefix caching or a draft model.
+        hybrid layout turned off). Not yet with a draft model.
     """
 
     block_size: int = 16
@@ -146,10 +146,6 @@ class EngineConfig:
             raise ValueError("speculative decoding needs async_scheduling=False: its drafts "
                              "continue the tokens of the step before")
         if self.kv_groups is not None and self.kv_groups.hybrid:
-            if self.enable_prefix_caching:
-                raise ValueError("the hybrid KV cache (sliding-window groups) does not support "
-                                 "prefix caching yet: pass enable_prefix_caching=False, or "
-                                 "hybrid_kv_cache=False for one group of every layer")
             if self.speculative is not None and self.speculative.model is not None:
                 raise ValueError("the hybrid KV cache (sliding-window groups) does not support "
                                  "a draft model yet: pass hybrid_kv_cache=False")

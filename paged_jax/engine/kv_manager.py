@@ -79,7 +79,7 @@ class KVManager:
         self.free_slots: list[int] = list(range(cc.max_seqs - 1, -1, -1))
         self.owners: dict[int, Sequence] = {}
         self.slot_live = np.zeros(cc.max_seqs, bool)
-        self.prefix = PrefixCache(cc.block_size) if prefix_caching else None
+        self.prefix = PrefixCache(cc.block_size, cc.windows) if prefix_caching else None
         self._reset_ops()
         self._outstanding: list[Sent] = []  # calls sent whose output is not read yet
         self._need = 0  # blocks the plan being made may take (room_for)
@@ -310,7 +310,8 @@ class KVManager:
             if owned and out.finished[i] and seq.slot >= 0:
                 self._device_released.add(seq.slot)
                 gone.append((seq, start + n))
-        if self.prefix is not None and (gone or self._copied):
+        slid = any(w is not None for w in self.config.windows)  # windows free blocks each step
+        if self.prefix is not None and (gone or self._copied or slid):
             # Blocks later calls' hits took are in use, whatever these refcounts say.
             taken = set().union(self._acquired, *(s.acquired for s in self._outstanding))
             self.prefix.on_release(out.refcount, self._cached_blocks(gone), taken)
@@ -329,13 +330,10 @@ class KVManager:
 
     def _register(self, seq: Sequence, before: int, after: int, full: np.ndarray) -> None:
         """Registers the blocks the device marked cached for `seq` as it went from `before`
-        to `after` computed tokens (`full`: ids of its newly full blocks, 0-padded); those it
-        does not keep are queued for eviction (unmarked)."""
+        to `after` computed tokens (`full`: [G * F] its newly full columns' blocks per group,
+        PrefixCache.register_call); those it does not keep are queued for eviction."""
         k = self.config.block_size
-        ids = [int(b) for b in full if b]
-        keep = ids[: after // k - before // k]  # not past what the host kept
-        new = self.prefix.register(seq, before // k, keep) if keep else []
-        self._unmark += [b for b in ids if b not in set(new)]
+        self._unmark += self.prefix.register_call(seq, before // k, full, after // k - before // k)
 
     # ---- freeing -------------------------------------------------------------------------
     def free(self, seqs: list[Sequence]) -> None:
@@ -381,12 +379,9 @@ class KVManager:
                 self._release_hi += self.config.blocks_for(s.num_computed)
 
     def _cached_blocks(self, released: list[tuple[Sequence, int]]) -> list[int]:
-        """Cached blocks the released sequences held, tail (leaf) first: the LRU order."""
-        k, out = self.config.block_size, []
-        for s, held in released:
-            out += [self.prefix.entries[h].block for h in reversed(s.block_hashes[:held // k])
-                    if h in self.prefix.entries]
-        return out
+        """Cached blocks the released sequences held, tail first (PrefixCache.chain_blocks)."""
+        k = self.config.block_size
+        return [b for s, held in released for b in self.prefix.chain_blocks(s, held // k)]
 
     # ---- swap space and checks -------------------------------------------------------------
     def _swap_out(self, seq: Sequence) -> tuple[np.ndarray, ...]:

@@ -85,7 +85,10 @@ class Plan:
 
     @property
     def decode_only(self) -> bool:
-        return bool(self.chunks) and all(n == 1 for _, n in self.chunks)
+        """Every row decodes: one token, its last. A one-token prefill chunk (the budget's
+        last token, or a chunk shrunk to the free blocks) is not a decode: a verify step or
+        window would sample after it."""
+        return bool(self.chunks) and all(n == 1 == s.num_pending for s, n in self.chunks)
 
     @property
     def constrained(self) -> bool:

@@ -78,7 +78,8 @@ class StepOutput:
         window that runs out of blocks stops early and keeps what it computed: ok.
       num_free: the device free stack's size after the call.
       steps: decode steps the call ran (1 for a step, 0 for ops).
-      full_blocks: [R, F] blocks each row filled in the call (prefix caching; else [R, 0]).
+      full_blocks: [R, G * F] blocks each row filled in the call, per KV cache group
+        (prefix caching; else [R, 0]).
       refcount: [N] refcounts after the call (prefix caching; else None).
       prompt: per-token prompt logprobs ([T] arrays; None unless a row asked).
       hidden: [R, E] last hidden state per row (None unless asked).

@@ -7,7 +7,10 @@ up with its total tokens. Each step has a budget of `max_num_batched_tokens` tok
   2. running sequences with more pending tokens (prefill, or recompute after preemption) get
      chunks of what budget is left, oldest first (chunked prefill), each chunk at most
      `long_prefill_token_threshold` tokens when set (a long prompt then shares steps with
-     the decodes instead of filling them: fair prefill);
+     the decodes instead of filling them: fair prefill); a chunk the free blocks cannot
+     cover shrinks to what they cover before anyone is preempted for it (with sliding-window
+     groups a chunk's columns are taken in every group until the step's slide frees the old
+     ones, so a long prompt's last chunk in a nearly full pool needs more than it will hold);
   3. waiting requests are admitted first come first served (preempted ones at the front) while
      slots, budget and blocks allow; the first that does not fit stops admission. With prefix
      caching, a request starts at its longest cached prefix: hit blocks cost no new blocks
@@ -46,6 +49,7 @@ from paged_jax.engine.plan import Plan
 from paged_jax.engine.policy import Policy
 from paged_jax.engine.sequence import Request, Sequence, Status
 from paged_jax.engine.speculative import SpeculativeConfig
+from paged_jax.sizes import largest_fitting
 
 if TYPE_CHECKING:
     from paged_jax.engine.runner import StepOutput
@@ -156,6 +160,10 @@ class Scheduler:
                         continue
                     n = self._chunk(seq, budget)
                     need = self.kv.blocks_needed(seq, n)
+                    if need > free and not want_decode:  # a prefill chunk shrinks (rule 2)
+                        n = largest_fitting(n, lambda m, s=seq, f=free: self.kv.blocks_needed(
+                            s, m) <= f) or n
+                        need = self.kv.blocks_needed(seq, n)
                     if need > free and not can_preempt:
                         return None
                     while need > free + maybe and (victim := self._victim(req, plan)):

@@ -5,7 +5,7 @@
             beam-search forks
     last    settle: for the rows the scheduler owns, newly full blocks marked cached
             (prefix caching) and the rows that stopped (stop token, EOS, max_tokens) released
-            report: the free count, each row's newly full blocks [R, F] and the refcounts [N]
+            report: the free count, each row's newly full blocks [R, G * F] and the refcounts [N]
             (the last two with prefix caching): all the host learns, in the call's one output
     run_ops a call with nothing else to do (an engine going idle, or a step whose sequences
             all wait for blocks a queued release gives back)
@@ -41,24 +41,27 @@ def apply_batch_ops(state: EngineState, ops: KVOps | None) -> EngineState:
 
 def full_blocks(
     table: PageTable, slots: Int[Array, "R"], old_lens: Int[Array, "S"], width: int
-) -> Int[Array, "R F"]:
-    """Each row's blocks that became full since `old_lens`, in logical order (0 pads)."""
+) -> Int[Array, "R GF"]:
+    """Each row's blocks that became full since `old_lens`, per KV cache group (group-major:
+    [R, G * width]), in logical order; 0 pads, and 0 where a sliding group's window already
+    slid past the block (it went back to the pool uncached: no later hit can need it)."""
     k, s = table.block_size, jnp.clip(slots, 0)
     lo, hi = old_lens[s] // k, table.seq_lens[s] // k
     col = lo[:, None] + jnp.arange(width)[None, :]
-    # Group 0: prefix caching runs with one KV cache group (EngineConfig.kv_groups).
-    ids = table.block_tables[0, s[:, None], jnp.clip(col, 0, table.max_blocks_per_seq - 1)]
-    return jnp.where((col < hi[:, None]) & (slots >= 0)[:, None], ids, 0)
+    ids = table.block_tables[:, s[:, None], jnp.clip(col, 0, table.max_blocks_per_seq - 1)]
+    ids = jnp.where((col < hi[:, None]) & (slots >= 0)[:, None], ids, 0)  # [G, R, F]
+    return jnp.swapaxes(ids, 0, 1).reshape(s.shape[0], -1)
 
 
 def settle(
     state: EngineState, finished: Bool[Array, "R"], slots: Int[Array, "R"],
-    own: Bool[Array, "R"], full: Int[Array, "R F"], cfg: StepConfig,
+    own: Bool[Array, "R"], full: Int[Array, "R GF"], cfg: StepConfig,
 ) -> EngineState:
     """What the device decides itself at the end of a call, for the rows the scheduler owns:
-    their newly full blocks are marked cached (prefix caching; the host registers them from
-    the report, and queues an eviction for any it will not keep), then those that stopped
-    (stop token, EOS, max_tokens) are released, so the report's free count includes them."""
+    their newly full blocks in every group are marked cached (prefix caching; the host
+    registers them from the report, and queues an eviction for any it will not keep), then
+    those that stopped (stop token, EOS, max_tokens) are released, so the report's free
+    count includes them."""
     mine = own & (slots >= 0)
     pool = state.pool
     if cfg.prefix_caching:
@@ -74,7 +77,7 @@ def settle_and_report(
     old_lens: Int[Array, "S"], cfg: StepConfig, width: int, wrote: Bool[Array, "R"],
 ):
     """`settle`, then the call's report in `out` (StepOut or WindowOut): the free count,
-    newly full blocks [R, F] of the rows that wrote tokens, and refcounts [N] (the last two
+    newly full blocks [R, G * F] of the rows that wrote tokens, and refcounts [N] (the last two
     with prefix caching only), all of it packed into `out.wire` for the host's one read."""
     full = out.full_blocks  # [R, 0] without prefix caching
     if cfg.prefix_caching:

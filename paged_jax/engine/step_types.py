@@ -92,9 +92,9 @@ class StepOut:
     """Per-row results of a step (only rows with `sampled` set are meaningful), per-token
     prompt logprobs ([T], [T, J'] arrays when the shape has prompt_top, else empty), each
     row's last-token hidden state ([R, E] when the shape has `hidden`, else [R, 0]), and the
-    cache report: `full_blocks` [R, F] the blocks that became full in the step, in logical
-    order (0 pads; F = shape.full_width), and the pool's `refcount` after it ([N] with
-    prefix caching, else [0])."""
+    cache report: `full_blocks` [R, G * F] the blocks that became full in the step, per KV
+    cache group in logical order (0 pads; F = shape.full_width), and the pool's `refcount`
+    after it ([N] with prefix caching, else [0])."""
 
     tokens: Int[Array, "R"]
     logprobs: Float[Array, "R"]
@@ -107,7 +107,7 @@ class StepOut:
     num_free: Int[Array, ""]
     prompt: smp.PromptLogprobs
     hidden: Float[Array, "R E"]
-    full_blocks: Int[Array, "R F"]
+    full_blocks: Int[Array, "R GF"]
     refcount: Int[Array, "N2"]
     wire: Int[Array, "B"] | None = None  # every field above, packed (engine/wire.py)
 

@@ -42,7 +42,7 @@ def decode_batch(
 @dataclasses.dataclass(frozen=True)
 class WindowOut:
     """Tokens of up to W decode steps: step i's token of row r is tokens[i, r] if valid[i, r];
-    the cache report as in step.StepOut (full_blocks [R, F], refcount [N] or [0])."""
+    the cache report as in step.StepOut (full_blocks [R, G * F], refcount [N] or [0])."""
 
     tokens: Int[Array, "W R"]
     logprobs: Float[Array, "W R"]
@@ -54,7 +54,7 @@ class WindowOut:
     steps: Int[Array, ""]
     ok: Bool[Array, ""]
     num_free: Int[Array, ""]
-    full_blocks: Int[Array, "R F"]
+    full_blocks: Int[Array, "R GF"]
     refcount: Int[Array, "N2"]
     drafted: Int[Array, "R"] | None = None  # a draft model's verify: drafts each row made
     wire: Int[Array, "B"] | None = None  # every field above, packed (engine/wire.py)

@@ -21,8 +21,9 @@ The paper reports these as shares of the KV memory in use (their sum).
 
 Roofline: a decode step must read all weights and the K/V of every cached token, so
     achieved bandwidth = (weight bytes + KV bytes read) per step / step time
-is compared with the machine's memory bandwidth, measured in the same run with a large numpy
-copy (`measure_bandwidth`).
+is compared with the machine's memory bandwidth, measured in the same run by reading a large
+array on every core (`measure_bandwidth`), and only weights a step reads count: an untied
+embedding table is looked up a row per token (`streamed_weight_bytes`).
 """
 
 from __future__ import annotations
@@ -101,20 +102,33 @@ def breakdown(snapshots: list[dict], weights: list[float]) -> dict:
 
 
 # ---- bandwidth and roofline ------------------------------------------------------------------
-def measure_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
-    """Memory bandwidth in bytes/s of a large numpy copy (reads + writes), best of repeats."""
-    src = np.ones(nbytes // 8, np.float64)
-    dst = np.empty_like(src)
+def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Memory read bandwidth in bytes/s: a large array max-reduced on every core at once
+    (numpy drops the GIL), best of repeats. What a batch-1 decode needs is reading: a
+    one-thread copy (reads + writes) measured 26 GB/s on a 2-core EPYC where two readers
+    reach 33-34 GB/s and our bfloat16 decode went past the copy's figure."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    parts = np.array_split(np.ones(nbytes // 8, np.int64), os.cpu_count() or 1)
     best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.nbytes / best
+    with ThreadPoolExecutor(len(parts)) as pool:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            list(pool.map(np.maximum.reduce, parts))
+            best = min(best, time.perf_counter() - t0)
+    return sum(p.nbytes for p in parts) / best
 
 
 def weight_bytes(params) -> int:
     return int(sum(x.nbytes for x in jax.tree.leaves(params)))
+
+
+def streamed_weight_bytes(params) -> int:
+    """Weight bytes a decode step reads: all of them, less an untied embedding table (a
+    token reads one row of it; a tied one is the LM head, read whole)."""
+    untied = "lm_head" in params and "embed" in params
+    return weight_bytes(params) - (weight_bytes(params["embed"]) if untied else 0)
 
 
 def kv_bytes_per_token(model_config, dtype) -> int:
@@ -125,7 +139,7 @@ def kv_bytes_per_token(model_config, dtype) -> int:
 
 def roofline(stats, snapshots: list[dict], params, model_config, bandwidth: float) -> dict:
     """Achieved bytes/s of the steps (weights + cached K/V read per step) vs `bandwidth`."""
-    wb = weight_bytes(params)
+    wb = streamed_weight_bytes(params)
     kvt = kv_bytes_per_token(model_config, jax.tree.leaves(params)[0].dtype)
     moved = sum(st.num_steps * (wb + kvt * snap["token_states"])
                 for st, snap in zip(stats, snapshots, strict=True) if st.num_steps)
