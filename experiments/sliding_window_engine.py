@@ -46,9 +46,10 @@ def layout_model(config: ModelConfig, max_len: int, head_dim: int | None = None)
     return c, random_params(c), byte_tokenizer()
 
 
-def _engine(parts, hybrid: bool, budget: int, max_len: int, chunk: int, seqs: int) -> LLM:
+def _engine(parts, hybrid: bool, budget: int, max_len: int, chunk: int, seqs: int,
+            caching: bool = True) -> LLM:
     """`LLM`'s defaults (prefix caching on) but for the layout, pool and limits."""
-    return LLM(model_parts=parts, hybrid_kv_cache=hybrid,
+    return LLM(model_parts=parts, hybrid_kv_cache=hybrid, enable_prefix_caching=caching,
                kv_cache_memory=budget, max_model_len=max_len, max_num_seqs=seqs,
                max_num_batched_tokens=chunk, async_scheduling=False)
 
@@ -101,7 +102,9 @@ def throughput(parts, context: int, budget: int, requests: int, new_tokens: int,
     """Output tok/s of `requests` prompts of `context` tokens at saturation, per layout."""
     sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     prompts = _prompts(requests, context, parts[0].vocab_size, 1)
-    llms = {name: _engine(parts, h, budget, context + new_tokens, chunk, requests)
+    # Prefix caching off: every round sends the same prompts to the same engine, and the
+    # hits of later rounds would skip prefill (more of them where the pool keeps more).
+    llms = {name: _engine(parts, h, budget, context + new_tokens, chunk, requests, False)
             for name, h in LAYOUTS.items()}
     for llm in llms.values():  # warm-up: compile this run's programs
         llm.generate(prompts[:2], dataclasses.replace(sp, max_tokens=2), use_tqdm=False)

@@ -200,6 +200,23 @@ def test_parallel_sampling_beams_and_speculation_match_one_group():
     assert got[True] == got[False]
 
 
+def test_blocks_a_long_chunk_fills_and_slides_past_stay_cached():
+    """One 150-token chunk fills 18 columns and its own slide drops all but the window's in
+    the sliding groups: those blocks are cached first, so a later prompt sharing 100 tokens
+    hits 96 of them (its window's columns were slid past in that one step) and gives one
+    group's tokens."""
+    a, b = "q" * 40 + SHARED + "z" * 40, None
+    b = a[:100] + "a different question?"
+    got = {}
+    for hybrid in (True, False):
+        eng = engine(hybrid, enable_prefix_caching=True, max_num_batched_tokens=256,
+                     static_shapes=False)
+        run(eng, [("a", a, LONG)], check=True)
+        out = run(eng, [("b", b, LONG)], check=True)["b"]
+        got[hybrid] = tokens({"b": out}, "b"), out.num_cached_tokens
+    assert got[True] == got[False] and got[True][1] == 96, got
+
+
 def test_auto_choice_and_refusals():
     from paged_jax.serve.cli import HYBRID, parser
 

@@ -118,8 +118,7 @@ def _grouped_cache():
     ref = np.zeros(17, np.int32)
     ref[[1, 2, 3, 4, 5, 6, 15, 16]] = 1
     pc.on_release(ref, [])  # the slide: 11-14 cached-free
-    order = [pc.entries[h, g].block for h in reversed(seq.block_hashes) for g in (0, 1)]
-    pc.on_release(np.zeros(17, np.int32), order)  # the sequence is released
+    pc.on_release(np.zeros(17, np.int32), pc.chain_blocks(seq, 6))  # the sequence is released
     return pc
 
 
@@ -131,8 +130,8 @@ def test_hit_in_groups_attaches_only_the_window():
     assert hit.num_tokens == 10
     assert hit.columns == ((0, 0, 0, 14, 15), (1, 2, 3, 4, 5))
     assert hit.num_evictable == 7
-    pc.evict(1)  # block 16 of the sliding group
-    whole = pc.lookup(_seq(range(13)))  # the tail column's sliding block is gone
+    pc.evict(2)  # the tail column: block 6 of the full group, then 16 of the sliding one
+    whole = pc.lookup(_seq(range(13)))
     assert whole.num_tokens == 10 and whole.columns[0] == (0, 0, 0, 14, 15)
 
 
@@ -141,7 +140,7 @@ def test_eviction_shrinks_a_grouped_hit_block_by_block():
     evicting half the cache leaves a 6-token hit. Queued as they slid (11-14 first), the
     same evictions would take the window's blocks everywhere: no hit at all (vLLM #48435)."""
     pc = _grouped_cache()
-    assert list(pc.evictable)[:6] == [16, 6, 15, 5, 14, 4]
+    assert list(pc.evictable)[:6] == [6, 16, 5, 15, 4, 14]  # a column's full block first
     pc.evict(6)
     hit = pc.lookup(_seq(range(13)))
     assert hit.num_tokens == 6 and hit.columns == ((0, 12, 13), (1, 2, 3))

@@ -105,6 +105,9 @@ class PrefixCache:
 
     def __init__(self, block_size: int, windows: tuple[int | None, ...] = (None,)):
         self.block_size, self.windows = block_size, windows
+        # Within a column the full groups' blocks queue first (go first): a sliding group's
+        # block of a column is evicted no earlier than the full group's (chain_blocks).
+        self._full_first = sorted(range(len(windows)), key=lambda g: windows[g] is not None)
         self.entries: dict[tuple[int, int], Entry] = {}  # (hash, group) -> entry
         self.hash_of: dict[int, tuple[int, int]] = {}  # block id -> its entry's key
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached-free, LRU first
@@ -211,7 +214,7 @@ class PrefixCache:
         first, the ones a window slid past included: the LRU order of a released sequence
         (module docstring)."""
         return [self.entries[h, g].block for h in reversed(seq.block_hashes[:num_blocks])
-                for g in range(len(self.windows)) if (h, g) in self.entries]
+                for g in self._full_first if (h, g) in self.entries]
 
     # ---- freeing and eviction ------------------------------------------------------------
     def on_release(self, refcount: np.ndarray, order: list[int],

@@ -43,8 +43,9 @@ def full_blocks(
     table: PageTable, slots: Int[Array, "R"], old_lens: Int[Array, "S"], width: int
 ) -> Int[Array, "R GF"]:
     """Each row's blocks that became full since `old_lens`, per KV cache group (group-major:
-    [R, G * width]), in logical order; 0 pads, and 0 where a sliding group's window already
-    slid past the block (it went back to the pool uncached: no later hit can need it)."""
+    [R, G * width]), in logical order; 0 pads, and 0 where a sliding group's window slid past
+    the block inside the call (a decode window's or verify step's own slides: their few new
+    tokens never fill a block and leave it in one call; run_step slides after settle)."""
     k, s = table.block_size, jnp.clip(slots, 0)
     lo, hi = old_lens[s] // k, table.seq_lens[s] // k
     col = lo[:, None] + jnp.arange(width)[None, :]
@@ -56,25 +57,31 @@ def full_blocks(
 def settle(
     state: EngineState, finished: Bool[Array, "R"], slots: Int[Array, "R"],
     own: Bool[Array, "R"], full: Int[Array, "R GF"], cfg: StepConfig,
+    slide_cols: int | None = None,
 ) -> EngineState:
     """What the device decides itself at the end of a call, for the rows the scheduler owns:
     their newly full blocks in every group are marked cached (prefix caching; the host
     registers them from the report, and queues an eviction for any it will not keep), then
     those that stopped (stop token, EOS, max_tokens) are released, so the report's free
-    count includes them."""
+    count includes them. `slide_cols`: the windows slide between the two (page_table.slide's
+    max_cols), so a block the step filled and its window left at once stays cached."""
     mine = own & (slots >= 0)
     pool = state.pool
     if cfg.prefix_caching:
         pool = pool_lib.mark_cached(pool, jnp.where(mine[:, None], full, 0).reshape(-1))
-    s = state.table.live.shape[0]
+    table = state.table
+    if slide_cols is not None:
+        pool, table = pt.slide(pool, table, slide_cols)
+    s = table.live.shape[0]
     gone = jnp.zeros((s,), bool).at[jnp.where(mine & finished, slots, s)].set(True, mode="drop")
-    pool, table = pt.release(pool, state.table, gone)
+    pool, table = pt.release(pool, table, gone)
     return dataclasses.replace(state, pool=pool, table=table)
 
 
 def settle_and_report(
     state: EngineState, out, slots: Int[Array, "R"], own: Bool[Array, "R"],
     old_lens: Int[Array, "S"], cfg: StepConfig, width: int, wrote: Bool[Array, "R"],
+    slide_cols: int | None = None,
 ):
     """`settle`, then the call's report in `out` (StepOut or WindowOut): the free count,
     newly full blocks [R, G * F] of the rows that wrote tokens, and refcounts [N] (the last two
@@ -83,7 +90,7 @@ def settle_and_report(
     if cfg.prefix_caching:
         full = jnp.where(out.ok & wrote[:, None],
                          full_blocks(state.table, slots, old_lens, width), 0)
-    state = settle(state, out.finished, slots, own, full, cfg)
+    state = settle(state, out.finished, slots, own, full, cfg, slide_cols)
     refcount = state.pool.refcount if cfg.prefix_caching else out.refcount
     out = dataclasses.replace(out, num_free=state.pool.num_free, full_blocks=full,
                               refcount=refcount)

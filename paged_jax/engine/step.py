@@ -194,7 +194,7 @@ def _reserve(
 
 
 def forward_if_room(params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig,
-                    shape: StepShape, after, empty, prepare=None):
+                    shape: StepShape, after, empty, prepare=None, slide: bool = True):
     """Steps 1-3 (reserve, copy, forward), then `after(state', logits, prompt logprobs,
     hidden, batch, extra)` -> (state'', out); when the pool cannot cover the step, (state,
     empty) with nothing changed. Shared by `step_body` and the verify step (engine/verify.py),
@@ -211,6 +211,8 @@ def forward_if_room(params: Params, state: EngineState, batch: StepBatch, cfg: S
         st, b, extra = (st, batch, None) if prepare is None else prepare(st, batch)
         logits, cache, prompt, hidden = forward_rows(params, st, b, cfg, shape)
         st, out = after(dataclasses.replace(st, cache=cache), logits, prompt, hidden, b, extra)
+        if not slide:  # the caller slides (run_step: after its new full blocks are cached)
+            return st, out
         # Lengths are final: windows move on, by at most the blocks a row gained (+ 1).
         pool2, table2 = pt.slide(st.pool, st.table, shape.max_new_blocks + 1)
         return dataclasses.replace(st, pool=pool2, table=table2), out
@@ -230,10 +232,11 @@ def run_once(pred: Bool[Array, ""], fn, init):
 
 def step_body(
     params: Params, state: EngineState, batch: StepBatch, cfg: StepConfig, shape: StepShape,
-    dparams: Params | None = None,
+    dparams: Params | None = None, slide: bool = True,
 ) -> tuple[EngineState, StepOut]:
     """One ragged step after its ops and admissions (unjitted; see `run_step`); with a draft
-    model's `dparams`, the draft reads the step's tokens too (draft.prefill)."""
+    model's `dparams`, the draft reads the step's tokens too (draft.prefill). `slide`: the
+    windows move on at the end (else the caller slides them)."""
 
     def after(st, logits, prompt, hidden, *_):
         st, logits = _fork_children(st, logits, batch)
@@ -245,7 +248,7 @@ def step_body(
     empty = _empty_out(state, rows, tokens, shape, cfg.model.hidden_size)
     prepare = None if dparams is None else (
         lambda st, b: (draft.prefill(dparams, st, b, cfg, shape), b, None))
-    return forward_if_room(params, state, batch, cfg, shape, after, empty, prepare)
+    return forward_if_room(params, state, batch, cfg, shape, after, empty, prepare, slide)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "shape"), donate_argnames=("state",))
@@ -271,10 +274,12 @@ def run_step(
         state = _admit(settle.apply_batch_ops(state, batch.ops), batch.admit)
         batch = _resolve(state, batch)
     old_lens = state.table.seq_lens  # after the hits: their blocks are not new
-    state, out = step_body(params, state, batch, cfg, shape, dparams)
+    # The windows slide in settle, once the step's full blocks are cached: a chunk longer
+    # than a window fills blocks its own slide drops, and those stay cached (prefix hits).
+    state, out = step_body(params, state, batch, cfg, shape, dparams, slide=False)
     own = batch.own if batch.own is not None else jnp.zeros_like(batch.sample)
     # Fork children wrote nothing: their blocks are their parent's, reported in its row.
     wrote = batch.query_start[1:] > batch.query_start[:-1]
     with jax.named_scope("bookkeeping"):
         return settle.settle_and_report(state, out, batch.row_slots, own, old_lens, cfg,
-                                        shape.full_width, wrote)
+                                        shape.full_width, wrote, shape.max_new_blocks + 1)
