@@ -105,14 +105,14 @@ def run(parts, occupancies=OCCUPANCIES, rounds: int = common.MIN_ROUNDS,
                               "decode_batch_hybrid", "pool_blocks_one", "pool_blocks_hybrid",
                               "same_tokens"]))
     speed = speed_parts or parts
-    sw_, need_ = workload(speed[0].vocab_size), one_group_bytes(speed)
+    speed_work, speed_need = workload(speed[0].vocab_size), one_group_bytes(speed)
     for name in sw.LAYOUTS:  # warm-up: this run's programs compiled before any timing
-        _chat_on(speed, sw.LAYOUTS[name], int(need_ / saturation), sw_)
+        _chat_on(speed, sw.LAYOUTS[name], int(speed_need / saturation), speed_work)
     runs = {name: [] for name in sw.LAYOUTS}
     for r in range(rounds):  # a fresh engine (a cold cache) per run, layouts alternating
         for name in common.rotated(list(sw.LAYOUTS), r):
-            runs[name].append(_chat_on(speed, sw.LAYOUTS[name], int(need_ / saturation),
-                                       sw_)["tok_s"])
+            runs[name].append(_chat_on(speed, sw.LAYOUTS[name],
+                                       int(speed_need / saturation), speed_work)["tok_s"])
     print(f"tok/s at {saturation:.0%}: " + ", ".join(f"{n} {v}" for n, v in runs.items()))
     return dict(workload=dict(system=SYSTEM, user=USER, answer=ANSWER, turns=TURNS,
                               conversations=CONVERSATIONS, one_group_bytes=need),

@@ -80,6 +80,7 @@ class KVManager:
         self.owners: dict[int, Sequence] = {}
         self.slot_live = np.zeros(cc.max_seqs, bool)
         self.prefix = PrefixCache(cc.block_size, cc.windows) if prefix_caching else None
+        self._windows = any(w is not None for w in cc.windows)  # they free blocks every step
         self._reset_ops()
         self._outstanding: list[Sent] = []  # calls sent whose output is not read yet
         self._need = 0  # blocks the plan being made may take (room_for)
@@ -310,8 +311,7 @@ class KVManager:
             if owned and out.finished[i] and seq.slot >= 0:
                 self._device_released.add(seq.slot)
                 gone.append((seq, start + n))
-        slid = any(w is not None for w in self.config.windows)  # windows free blocks each step
-        if self.prefix is not None and (gone or self._copied or slid):
+        if self.prefix is not None and (gone or self._copied or self._windows):
             # Blocks later calls' hits took are in use, whatever these refcounts say.
             taken = set().union(self._acquired, *(s.acquired for s in self._outstanding))
             self.prefix.on_release(out.refcount, self._cached_blocks(gone), taken)
