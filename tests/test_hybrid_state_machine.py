@@ -352,7 +352,11 @@ class HybridMachine(RuleBasedStateMachine):
         """A new sequence whose tokens begin with registered ones (and go on with a new
         one): it attaches what every group holds at the longest common hit point."""
         self._count()
-        past = data.draw(st.sampled_from(self.history))
+        # Half the draws take the recent registration with the longest hit now: only hits
+        # past a window leave its first columns out, and unbiased draws reach them rarely.
+        longest = max(reversed(self.history[-16:]),
+                      key=lambda p: self.prefix.lookup(Hashed(p + [0])).num_tokens)
+        past = data.draw(st.one_of(st.just(longest), st.sampled_from(self.history)))
         cut = data.draw(st.one_of(st.just(len(past)), st.integers(0, len(past))), label="cut")
         query = Hashed(past[:cut] + [next(self.model.next_token)])
         slot = data.draw(st.sampled_from(self._free()))
@@ -515,7 +519,9 @@ def test_ten_thousand_operations() -> None:
     """At least 10,000 random operations in one run, every check after each of them, and
     every situation the machine is about reached."""
     HybridMachine.executed, HybridMachine.labels = 0, Counter()
-    run_state_machine_as_test(HybridMachine, settings=SETTINGS)
+    # Derandomized: CI's clean clone runs the very operations a developer's run did (the fast
+    # tier's TestHybridMachine keeps drawing new ones).
+    run_state_machine_as_test(HybridMachine, settings=settings(SETTINGS, derandomize=True))
     assert HybridMachine.executed >= 10_000, f"only {HybridMachine.executed} operations ran"
     missing = [e for e in MUST_HAPPEN if not HybridMachine.labels[e]]
     assert not missing, f"never reached: {missing} ({dict(HybridMachine.labels)})"
