@@ -6,7 +6,10 @@ runs these beside its block arithmetic.
 Held: N requests of `context` prompt tokens (random ids, no shared prefix) run to completion
 through `LLM`'s engine in a pool of `budget` bytes; after every step we count the sequences
 that hold at least `context` computed tokens at once. N is what the block arithmetic says the
-pool holds plus two, so the pool, not the request count, is the limit. The weights are random
+pool holds plus two, so the pool, not the request count, is the limit. Sequences that hold
+their prompt decode while later prompts prefill, so the count is compared with the
+arithmetic at the lengths they have then (a pool one sequence's margin past N fills up with
+their decoded tokens before the last prompt is in). The weights are random
 and everything but the KV layout (layers, KV heads, window, layer pattern) is tiny: the count
 depends only on the layout and the allocator, and prefilling dozens of 32k-token prompts
 through the real 270M model would take hours on this CPU. The head dim is cut to 32 with the
@@ -62,7 +65,11 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
 def held(parts, context: int, hybrid: bool, budget: int, chunk: int = 512,
          max_seqs: int = 64, room: int = 1024) -> dict:
     """The most sequences of >= `context` computed tokens the engine held at once: requests
-    run until the pool is full (a preemption) or every one holds its prompt; then aborted."""
+    run until the pool is full (a preemption) or every one holds its prompt; then aborted.
+
+    Sequences that hold their prompt decode while later ones prefill, so at the count they
+    are longer than `context`: `arithmetic_held` is the arithmetic at their mean length then
+    (the pool's blocks over the blocks such a sequence holds)."""
     llm = _engine(parts, hybrid, budget, context + room, chunk, max_seqs)
     eng, cc = llm.llm_engine, llm.llm_engine.config.cache
     fits = cc.usable_blocks // cc.blocks_for(context)
@@ -70,7 +77,7 @@ def held(parts, context: int, hybrid: bool, budget: int, chunk: int = 512,
     row = dict(context=context, layout="hybrid" if hybrid else "one group",
                groups=cc.num_groups, pool_blocks=cc.usable_blocks,
                blocks_per_seq=cc.blocks_for(context), arithmetic=fits, held=0, requests=n,
-               refused=None)
+               refused=None, arithmetic_held=fits)
     sp = SamplingParams(max_tokens=room, ignore_eos=True)
     t0, peak = time.perf_counter(), 0
     try:
@@ -82,7 +89,10 @@ def held(parts, context: int, hybrid: bool, budget: int, chunk: int = 512,
     while eng.has_unfinished() and not eng.scheduler.num_preempted:
         eng.step()
         seqs = [s for r in eng.scheduler.running for s in r.seqs]
-        peak = max(peak, sum(s.num_computed >= context for s in seqs))
+        done = [cc.blocks_for(s.num_computed) for s in seqs if s.num_computed >= context]
+        if len(done) > peak:
+            peak, row["arithmetic_held"] = len(done), int(cc.usable_blocks * len(done)
+                                                          // sum(done))
         if not eng.scheduler.waiting and all(s.num_computed >= context for s in seqs):
             break
     for i in range(n):

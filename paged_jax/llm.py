@@ -139,12 +139,15 @@ def _bar_off(use_tqdm: bool) -> bool | None:
 def kv_groups_for(config, hybrid: bool | None, prefix_caching: bool,
                   speculative: SpeculativeConfig | None) -> KVGroups | None:
     """The engine's KV cache groups (cache/groups.py): sliding-window layers in groups of
-    their own when the model has them and `hybrid` is True, or None (auto) with no draft
-    model (a draft does not run on groups yet); else None: one group. Prefix caching works
-    on groups (cache/prefix_cache.py)."""
+    their own when the model has them and `hybrid` is True or None (auto); else None: one
+    group. Prefix caching works on groups (cache/prefix_cache.py); a draft model's pages
+    follow a full-attention group (engine/draft.py), so auto gives one group to a draft on
+    a model whose every layer slides."""
     groups = plan_groups(tuple(config.window(i) for i in range(config.num_layers)))
     draft = speculative is not None and speculative.model is not None
-    if hybrid is False or not groups.hybrid or (hybrid is None and draft):
+    if hybrid is False or not groups.hybrid:
+        return None
+    if hybrid is None and draft and groups.full_group is None:
         return None
     return groups
 
@@ -241,9 +244,9 @@ class LLM:
         speculative_config's `model`.
       hybrid_kv_cache: sliding-window layers (Gemma 3's local ones) keep only their window's
         blocks, in KV cache groups of their own (cache/groups.py; vLLM V1's hybrid KV cache
-        manager), with or without prefix caching. None (auto): on for a model with windows
-        unless a draft model is used (a draft does not run on groups yet); True: on (an
-        error with a draft model); False: every layer holds the whole sequence's blocks.
+        manager), with or without prefix caching and draft models (a draft's pages follow a
+        full-attention group). None (auto): on for a model with windows; True: on; False:
+        every layer holds the whole sequence's blocks.
     """
 
     def __init__(

@@ -16,6 +16,7 @@ import pytest
 
 from paged_jax.cache.groups import plan_groups
 from paged_jax.engine.beam_search import beam_search
+from paged_jax.engine.config import EngineConfig
 from paged_jax.engine.speculative import SpeculativeConfig
 from paged_jax.llm import LLM, kv_groups_for
 from paged_jax.models.testing import byte_tokenizer, random_params, tiny_gemma3_config
@@ -151,6 +152,33 @@ def test_speculation_under_preemption_matches_one_group(one_group, caching):
     assert all_free(eng)
 
 
+DRAFT = SpeculativeConfig(method="draft_model", model="tiny", num_speculative_tokens=3)
+
+
+@pytest.mark.parametrize("caching,mode", [(False, "recompute"), (True, "recompute"),
+                                          (True, "swap")])
+def test_a_draft_model_on_groups_reads_every_block(one_group, caching, mode):
+    """The target as its own draft, on groups, in a pool small enough to preempt and (the
+    second time round) from prefix hits past the 8-token window: its pages follow the full
+    group's tables, so its full-attention layers see the whole sequence and every greedy
+    draft is kept (a draft on a sliding group's tables would read zero blocks past the
+    window and lose drafts); the tokens are one group's plain ones."""
+    c, p, _ = model()
+    eng = engine(True, num_kv_blocks=60, max_num_batched_tokens=16, speculative=DRAFT,
+                 draft=(c, p), enable_prefix_caching=caching, preemption_mode=mode)
+    assert eng.config.cache.num_groups > 1
+    again = [(rid + "'", q, sp) for rid, q, sp in requests(6)]
+    outs = {**run(eng, requests(6), check=True), **run(eng, again, check=True)}
+    for rid, *_ in requests(6):
+        assert tokens(outs, rid) == tokens(outs, rid + "'") == tokens(one_group, rid), rid
+    spec = eng.scheduler.spec
+    assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens == spec.num_draft_tokens
+    assert eng.scheduler.num_preempted > 0, "the small pool should force preemption"
+    if caching:
+        assert eng.kv.prefix.hit_tokens > 0
+    assert all_free(eng)
+
+
 def test_parallel_samples_and_beams_match_one_group():
     """n = 3 (forks in a step) and beam search (forks as ops, copy-on-write), one request
     each on the tests' static shapes (the fast tier's check of the slow test below): the
@@ -225,7 +253,11 @@ def test_auto_choice_and_refusals():
     c = model()[0]
     assert kv_groups_for(c, None, False, None) == groups()
     assert kv_groups_for(c, None, True, None) == groups()  # with prefix caching too
+    assert kv_groups_for(c, None, True, DRAFT) == groups()  # and a draft model
     assert kv_groups_for(c, False, False, None) is None
+    every_layer_slides = plan_groups((8, 8))
+    with pytest.raises(ValueError, match="every layer of this model slides"):
+        EngineConfig(**{**helpers.BASE, "kv_groups": every_layer_slides, "speculative": DRAFT})
     assert kv_groups_for(helpers.model()[0], True, False, None) is None  # no windows
     on = LLM(model_parts=model(), enable_prefix_caching=True, num_kv_blocks=64,
              max_model_len=128)  # the defaults: prefix caching on, groups on

@@ -57,6 +57,12 @@ class KVGroups:
     def hybrid(self) -> bool:
         return any(w is not None for w in self.windows)
 
+    @property
+    def full_group(self) -> int | None:
+        """A full-attention group (its page tables hold every block of a sequence), or None
+        when every group slides."""
+        return next((g for g, w in enumerate(self.windows) if w is None), None)
+
 
 def single_group(num_layers: int) -> KVGroups:
     """Every layer in one full-attention group, each layer its own buffer (no windows)."""

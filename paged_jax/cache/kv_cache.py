@@ -120,6 +120,13 @@ def init_kv_cache(
                                layer_buffer=groups.layer_buffer)
 
 
+def reading_group(cache: KVCache, group: int) -> KVCache:
+    """`cache` with every layer (its own buffer) reading KV cache group `group`'s page tables:
+    a draft model's pages beside a hybrid cache (engine/draft.py) follow a full group's."""
+    n = len(cache.k)
+    return dataclasses.replace(cache, layer_group=(group,) * n, layer_buffer=tuple(range(n)))
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _zeros(num_layers: int, shape: tuple[int, ...], dtype: jnp.dtype) -> KVCache:
     # One program fills every layer, on XLA's thread pool: 3-4x faster than one eager

@@ -92,7 +92,8 @@ class EngineConfig:
         None: off. Needs async_scheduling False (a draft needs the tokens of the step before).
       kv_groups: KV cache groups (cache/groups.py): sliding-window layers keep only their
         window's blocks. None: one group of every layer (models without windows, or the
-        hybrid layout turned off). Not yet with a draft model.
+        hybrid layout turned off). A draft model's pages (engine/draft.py) follow a full
+        group's page tables, so some group must be full attention.
     """
 
     block_size: int = 16
@@ -146,9 +147,11 @@ class EngineConfig:
             raise ValueError("speculative decoding needs async_scheduling=False: its drafts "
                              "continue the tokens of the step before")
         if self.kv_groups is not None and self.kv_groups.hybrid:
-            if self.speculative is not None and self.speculative.model is not None:
-                raise ValueError("the hybrid KV cache (sliding-window groups) does not support "
-                                 "a draft model yet: pass hybrid_kv_cache=False")
+            if (self.speculative is not None and self.speculative.model is not None
+                    and self.kv_groups.full_group is None):
+                raise ValueError("a draft model on the hybrid KV cache reads a full-attention "
+                                 "group's page tables, and every layer of this model slides: "
+                                 "pass hybrid_kv_cache=False")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0 = no cap), "
                              f"got {self.long_prefill_token_threshold}")

@@ -242,9 +242,11 @@ class Runner:
         if draft is not None:  # speculative decoding's draft model (engine/draft.py)
             dm, dparams = draft
             self.draft_params = self._lay_out(dparams, books, ec.speculative.quantization)
-            draft_cache = jax.device_put(kv_lib.init_kv_cache(
-                dm.num_layers, dm.num_kv_heads, cc.num_blocks, cc.block_size, dm.head_dim,
-                kv_dtype), pages)
+            draft_cache = kv_lib.init_kv_cache(dm.num_layers, dm.num_kv_heads, cc.num_blocks,
+                                               cc.block_size, dm.head_dim, kv_dtype)
+            if groups is not None and groups.hybrid:  # the draft reads a full group's tables
+                draft_cache = kv_lib.reading_group(draft_cache, groups.full_group)
+            draft_cache = jax.device_put(draft_cache, pages)
         self.state = EngineState(pool, table, cache, sampling, draft_cache)
         self.cfg = StepConfig(model, ec.backend or default_backend(), self.mesh,
                               ec.enable_prefix_caching, draft and draft[0],

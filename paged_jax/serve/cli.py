@@ -31,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
                     default=True)
     ap.add_argument("--hybrid-kv-cache", default="auto", choices=list(HYBRID),
                     help="sliding-window layers keep only their window's blocks (LLM's "
-                         "hybrid_kv_cache: auto = with windows and no draft model)")
+                         "hybrid_kv_cache: auto = on for models with windows)")
     ap.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     ap.add_argument("--swap-space", type=float, default=4, help="GiB")
     ap.add_argument("--decode-window", type=int, default=None,
