@@ -145,9 +145,8 @@ def kv_groups_for(config, hybrid: bool | None, prefix_caching: bool,
     a model whose every layer slides."""
     groups = plan_groups(tuple(config.window(i) for i in range(config.num_layers)))
     draft = speculative is not None and speculative.model is not None
-    if hybrid is False or not groups.hybrid:
-        return None
-    if hybrid is None and draft and groups.full_group is None:
+    if hybrid is False or not groups.hybrid or (hybrid is None and draft
+                                                and groups.full_group is None):
         return None
     return groups
 

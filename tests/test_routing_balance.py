@@ -69,13 +69,23 @@ def test_routing_experiment_tables_and_plot(tmp_path, monkeypatch):
     clocks = {c: {train.MODELS[0]: 1.0, train.MODELS[1]: 2.0, "probe": 0.2}
               for c in ("measured_cpu", "modeled_gpu")}
     oof = train.cross_fit(x, y, train.fold_ids(len(y)))
-    res = dict(splits=exp_routing.split_results(dict(x=x, y=y, oof=oof, cost=clocks), items))
+    prompt_oof = train.cross_fit(x, y, train.fold_ids(len(y)), candidate=train.PROMPT)
+    res = dict(splits=exp_routing.split_results(dict(x=x, y=y, oof=oof, cost=clocks,
+                                                     prompt_oof=prompt_oof), items, boot=50))
     assert set(res["splits"]) == {"random", "family", "each_family"}
     assert res["splits"]["family"]["test"] == train.held_out(items).sum()
     assert res["splits"]["each_family"]["test"] == len(items)
     r = res["splits"]["random"]
     assert r["beats_random_everywhere"] and r["gap_recovered_at_50"] > 0.5
     assert {p["strong_share"] for p in r["curves"]["router"]} >= {0.0, 0.5, 1.0}
+    pols = r["policies"]  # the cascade reads feature 0 (weak right) and 1 (strong right):
+    assert pols["cascade"]["shares_beating_random_by_more"] >= 7  # it routes well, and
+    for p in ("prompt", "cascade", "cascade_routing"):  # everyone is charged what it ran
+        for c in ("modeled_gpu", "measured_cpu"):
+            v = pols[p]["cost_saved_at_95"][c]
+            assert v["interval_95"][0] <= v["cost_saved"] <= v["interval_95"][1] + 1e-9, (p, v)
+            assert v["cost_saved"] <= pols["oracle"][c]["cost_saved"] + 1e-9
+    assert pols["cascade_routing"]["direct_fractions"]["modeled_gpu"]
     rows = [dict(replicas=2, rate=10.0, policy=p, e2e_p99=v, lost=0)
             for p, v in (("round_robin", 2.0), ("least_tokens", 1.5), ("kv_aware", 1.0))]
     assert exp_routing.balance_checks(rows) == dict(kv_aware_p99_below_round_robin=[True], lost=0)

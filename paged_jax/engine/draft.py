@@ -33,10 +33,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from paged_jax.cache import kv_cache as kvc
 from paged_jax.cache import page_table as pt
+from paged_jax.cache.config import CacheConfig
+from paged_jax.cache.groups import KVGroups
+from paged_jax.cache.kv_cache import KVCache
 from paged_jax.engine.state import EngineState, StepConfig
 from paged_jax.engine.step_types import StepBatch, StepShape
-from paged_jax.models import Params, forward
+from paged_jax.models import ModelConfig, Params, forward
 from paged_jax.sample import sampler as smp
 from paged_jax.types import Array, Float, HostArray, Int
 
@@ -66,6 +70,17 @@ class DraftBatch:
     seq_lens: Int[HostArray, "R"]
     num_drafts: Int[HostArray, "R"]
     query_start: Int[HostArray, "R+1"]  # after R's fields: jaxtyping binds R first
+
+
+def init_cache(dm: ModelConfig, cc: CacheConfig, kv_dtype, groups: KVGroups | None) -> KVCache:
+    """The draft model's pages (all zero) under the target's block ids; on a hybrid cache
+    every draft layer reads a full-attention group's page tables, which hold every block of
+    a sequence (kv_cache.reading_group)."""
+    cache = kvc.init_kv_cache(dm.num_layers, dm.num_kv_heads, cc.num_blocks, cc.block_size,
+                              dm.head_dim, kv_dtype)
+    if groups is not None and groups.hybrid:
+        cache = kvc.reading_group(cache, groups.full_group)
+    return cache
 
 
 def _draft_forward(dparams: Params, st: EngineState, cfg: StepConfig, shape: StepShape,

@@ -36,6 +36,7 @@ from paged_jax.cache import page_table as pt
 from paged_jax.cache import pool as pool_lib
 from paged_jax.cache.kv_cache import KVCache
 from paged_jax.engine import batch as batch_lib
+from paged_jax.engine import draft as draft_lib
 from paged_jax.engine import wire
 from paged_jax.engine.config import EngineConfig
 from paged_jax.engine.plan import Plan
@@ -183,6 +184,7 @@ def shared_weights(params: Params, key: tuple, build) -> Weights:
     return held
 
 
+
 class Runner:
     """Parameters and device state of one engine, and the calls that change them.
 
@@ -242,11 +244,7 @@ class Runner:
         if draft is not None:  # speculative decoding's draft model (engine/draft.py)
             dm, dparams = draft
             self.draft_params = self._lay_out(dparams, books, ec.speculative.quantization)
-            draft_cache = kv_lib.init_kv_cache(dm.num_layers, dm.num_kv_heads, cc.num_blocks,
-                                               cc.block_size, dm.head_dim, kv_dtype)
-            if groups is not None and groups.hybrid:  # the draft reads a full group's tables
-                draft_cache = kv_lib.reading_group(draft_cache, groups.full_group)
-            draft_cache = jax.device_put(draft_cache, pages)
+            draft_cache = jax.device_put(draft_lib.init_cache(dm, cc, kv_dtype, groups), pages)
         self.state = EngineState(pool, table, cache, sampling, draft_cache)
         self.cfg = StepConfig(model, ec.backend or default_backend(), self.mesh,
                               ec.enable_prefix_caching, draft and draft[0],

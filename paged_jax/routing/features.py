@@ -76,6 +76,14 @@ def prompt_features(prompt: str) -> list[float]:
             float(max(map(len, numbers), default=0)), float(q.count(";") + q.count(","))]
 
 
+def prompt_only(prompt: str) -> np.ndarray:
+    """A request's raw named features before any model ran: the prompt's, zeros for the
+    answer's (the prompt head reads only PROMPT_COLUMNS)."""
+    x = np.zeros(len(NAMES), np.float32)
+    x[list(PROMPT_COLUMNS)] = prompt_features(prompt)
+    return x
+
+
 def ready(out: RequestOutput, window: int = WINDOW) -> bool:
     """Whether the weak model's output has told the router all it will read: `window` tokens,
     or the whole answer."""

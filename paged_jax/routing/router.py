@@ -1,5 +1,8 @@
-"""RoutedLLM: each request goes to a weak (cheap) or a strong model, chosen per request by the
-trained head (routing/head.py) from how the weak model began to answer it.
+"""RoutedLLM: each request goes to a weak (cheap) or a strong model, chosen per request by
+trained heads (routing/head.py), under one of three policies (routing/policies.py):
+
+    prompt           the prompt head, from the prompt's text alone, before either model runs
+    cascade          (the default) the answer head, from how the weak model began to answer:
 
     request --> weak LLM: prefill, then up to `window` output tokens (its top-20 logprobs and
                   |  the prompt's last hidden state asked for); or its whole answer if shorter
@@ -7,6 +10,10 @@ trained head (routing/head.py) from how the weak model began to answer it.
                   |-- no:  the weak request simply goes on (nothing recomputed)
                   '-- yes: the weak request is aborted (its full prompt blocks stay in the
                            weak model's prefix cache) and the request goes to the strong LLM
+
+    cascade_routing  the prompt head first sends the requests it is surest about straight
+                     to the strong model (a fraction `direct` of the strong share); the rest
+                     cascade
 
 A cascade over a short window: a request that stays on the weak model pays nothing for being
 routed but the classifier (numpy, microseconds) and the logprobs and hidden state read from
@@ -36,6 +43,7 @@ from paged_jax.outputs import RequestOutput
 from paged_jax.routing import features as feat
 from paged_jax.routing import sla
 from paged_jax.routing.head import DEFAULT_PAIR, Head, load, pair_folder, threshold_for_share
+from paged_jax.routing.policies import POLICIES
 from paged_jax.sampling_params import SamplingParams
 
 _ROUTERS = itertools.count()
@@ -43,12 +51,14 @@ _ROUTERS = itertools.count()
 
 @dataclasses.dataclass
 class Route:
-    """Why a request went where it went."""
+    """Why a request went where it went (`stage`: "prompt" when the prompt head decided
+    before any model ran, "answer" when the answer head did after the weak model's window)."""
 
     model: str
     gain: float
     features: list[float]
     held_by_slo: bool = False  # the head chose the strong model; its queue was too long
+    stage: str = "answer"
 
 
 class RoutedLLM:
@@ -56,10 +66,15 @@ class RoutedLLM:
 
     Args:
       weak, strong: the engines; `names` labels them in outputs (RequestOutput.model).
-      head: the trained classifier (routing.head.load(...)).
+      head: the trained answer head (routing.head.load(...)): the cascade's.
+      policy: "cascade" (default), "prompt" or "cascade_routing" (module docstring).
+      prompt_head: the prompt head (the pair folder's prompt_head), for the other two.
+      direct: cascade routing's share of the strong traffic sent straight there (default:
+        the prompt head's trained choice, metrics["direct"]).
       strong_share: the share of traffic to send to the strong model, in [0, 1], turned into
-        a threshold with the head's saved training gains; or
-      threshold: the expected-gain threshold itself (overrides strong_share).
+        thresholds with the heads' saved training gains; or
+      threshold: the deciding head's expected-gain threshold itself (the answer head's;
+        the prompt head's under "prompt"; overrides strong_share).
       cost_budget: spend at most this fraction (> 0) of always-strong's cost per request:
         the share is the largest whose mean cost (weak requests, plus moved ones paying the
         probe and the strong model) fits, with the costs the head was trained with
@@ -71,9 +86,15 @@ class RoutedLLM:
     def __init__(self, weak: LLM, strong: LLM, head: Head, *, strong_share: float = 0.5,
                  threshold: float | None = None, names: tuple[str, str] = ("weak", "strong"),
                  ttft_slo: float | None = None, tpot_slo: float | None = None,
-                 cost_budget: float | None = None):
+                 cost_budget: float | None = None, policy: str = "cascade",
+                 prompt_head: Head | None = None, direct: float | None = None):
         if not 0 <= strong_share <= 1:
             raise ValueError(f"strong_share must be in [0, 1], got {strong_share}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if policy != "cascade" and prompt_head is None:
+            raise ValueError(f"policy {policy!r} needs the prompt head (prompt_head=; the "
+                             "pair folder's prompt_head, routing/train.py)")
         for name, v in (("ttft_slo", ttft_slo), ("tpot_slo", tpot_slo)):
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {v}")
@@ -83,11 +104,17 @@ class RoutedLLM:
                              f"model's is {weak.llm_engine.model_config.hidden_size}: use the "
                              "head trained for this pair (routing/head.pair_folder)")
         self.weak, self.strong, self.head, self.names = weak, strong, head, names
-        self.slo = (ttft_slo, tpot_slo)
+        self.policy, self.prompt_head, self.slo = policy, prompt_head, (ttft_slo, tpot_slo)
+        self.direct = (1.0 if policy == "prompt" else 0.0 if policy == "cascade"
+                       else direct if direct is not None else _trained_direct(prompt_head))
         if cost_budget is not None:
-            strong_share = share_for_budget(head, cost_budget)
-        self.threshold = threshold if threshold is not None else head_threshold(head,
-                                                                                strong_share)
+            strong_share = share_for_budget(head, cost_budget, self.direct)
+        d = self.direct * strong_share  # the share sent straight to the strong model
+        self.prompt_threshold = (threshold if policy == "prompt" and threshold is not None
+                                 else None if prompt_head is None
+                                 else head_threshold(prompt_head, d))
+        rest = (strong_share - d) / (1 - d) if d < 1 else 0.0  # escalated, of the rest
+        self.threshold = threshold if threshold is not None else head_threshold(head, rest)
         self.window = int(head.metrics.get("window", feat.WINDOW))
         self.routes: dict[str, Route] = {}
         self._id, self._counter = next(_ROUTERS), 0
@@ -102,13 +129,43 @@ class RoutedLLM:
             for p, sp in zip(prompts, sps, strict=True):
                 rid = f"routed-{self._id}-{self._counter}"  # unique across routers of an LLM
                 self._counter += 1
-                self.weak.llm_engine.add_request(rid, p, self.probe_params(sp))
                 asked[rid] = (p, sp)
+                route = self.pre_route(self._prompt_text(p))
+                if route is not None:
+                    self.routes[rid] = route
+                engine = self.strong if route and route.model == self.names[1] else self.weak
+                engine.llm_engine.add_request(rid, p, sp if route else self.probe_params(sp))
         except Exception:  # a bad request: none of this call's requests stays queued
             for rid in asked:
                 self.weak.llm_engine.abort(rid)
+                self.strong.llm_engine.abort(rid)
             raise
         return self._serve(asked)
+
+    def pre_route(self, prompt_text: str) -> Route | None:
+        """The prompt head's decision before any model runs: a Route to the strong model (the
+        prompt and cascade-routing policies, gain above the prompt threshold), to the weak
+        one (the prompt policy otherwise), or None: the request cascades."""
+        if self.policy == "cascade":
+            return None
+        x = feat.prompt_only(prompt_text)
+        gain = float(self.prompt_head.gain(x[None])[0])
+        go_strong = gain > self.prompt_threshold
+        held = go_strong and any(self.slo) and not sla.estimate(
+            self.strong.llm_engine, len(self.strong.get_tokenizer().encode(prompt_text))
+        ).meets(*self.slo)
+        if go_strong and not held:
+            return Route(self.names[1], gain, x.tolist(), False, "prompt")
+        if self.policy == "prompt":
+            return Route(self.names[0], gain, x.tolist(), held, "prompt")
+        return None
+
+    def _prompt_text(self, p) -> str:
+        if isinstance(p, str):
+            return p
+        if isinstance(p, dict) and "prompt" in p:
+            return p["prompt"]
+        return self.weak.get_tokenizer().decode(p["prompt_token_ids"])
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None,
              chat_template: str | None = None) -> list[RequestOutput]:
@@ -177,9 +234,16 @@ def head_threshold(head: Head, share: float) -> float:
     return threshold_for_share(gains, share)
 
 
-def share_for_budget(head: Head, budget: float, clock: str = "modeled_gpu") -> float:
-    """The strong share whose expected cost per request is `budget` times always-strong's:
-    (1 - s) weak + s (probe + strong) = budget * strong, clipped to [0, 1]."""
+def _trained_direct(prompt_head: Head) -> float:
+    return float(prompt_head.metrics.get("direct", 0.5))
+
+
+def share_for_budget(head: Head, budget: float, direct: float = 0.0,
+                     clock: str = "modeled_gpu") -> float:
+    """The strong share whose expected cost per request is `budget` times always-strong's
+    (routing/policies.cost): (1 - s) weak + s strong + s (1 - direct) probe = budget *
+    strong, clipped to [0, 1]; `direct` is the share of the strong traffic that skips the
+    weak model (1: the prompt policy, 0: the cascade)."""
     if not budget > 0:
         raise ValueError(f"cost_budget must be a positive fraction of always-strong's cost, "
                          f"got {budget}")
@@ -188,7 +252,8 @@ def share_for_budget(head: Head, budget: float, clock: str = "modeled_gpu") -> f
         raise ValueError("this head has no per-model costs (head.metrics['cost']); retrain it "
                          "with `python -m paged_jax.routing.train` or give strong_share")
     (weak, strong), probe = (cost[m] for m in head.metrics["models"]), cost["probe"]
-    return float(np.clip((budget * strong - weak) / (strong + probe - weak), 0.0, 1.0))
+    return float(np.clip((budget * strong - weak) / (strong + (1 - direct) * probe - weak),
+                         0.0, 1.0))
 
 
 def as_asked(out: RequestOutput, sp: SamplingParams) -> RequestOutput:
@@ -215,10 +280,13 @@ def _top(pos: dict, token: int, k: int) -> dict:
 
 
 def shipped_router(strong_share: float = 0.5, models: tuple[str, str] = DEFAULT_PAIR,
-                   **llm_kwargs) -> RoutedLLM:
-    """A (weak, strong) pair of shipped models with the head trained on them (paged_jax/
+                   policy: str = "cascade", **llm_kwargs) -> RoutedLLM:
+    """A (weak, strong) pair of shipped models with the heads trained on them (paged_jax/
     routing/trained/<weak>+<strong>): Qwen2.5-Coder 0.5B / 1.5B Instruct by default (the 1.5B
     comes with `make models`), or ("smollm2", "gemma3"); `llm_kwargs` go to both LLMs."""
-    head = load(pair_folder(*models) / "head")
+    folder = pair_folder(*models)
+    head = load(folder / "head")
+    prompt_head = load(folder / "prompt_head") if (folder / "prompt_head").exists() else None
     weak, strong = (LLM(m, **llm_kwargs) for m in models)
-    return RoutedLLM(weak, strong, head, strong_share=strong_share, names=models)
+    return RoutedLLM(weak, strong, head, strong_share=strong_share, names=models,
+                     policy=policy, prompt_head=prompt_head)

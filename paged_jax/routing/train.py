@@ -17,12 +17,16 @@
    included, without it: 5 random folds here (their calibration error goes in the metrics);
    experiments/routing.py also holds out whole families.
 5. each model's cost per request, measured warm on fresh questions (no compilation, no
-   prefix-cache hits), and modeled on a GPU.
+   prefix-cache hits), and modeled on a GPU;
+6. the prompt head (routing/policies.py's prompt and cascade-routing policies): inputs
+   PROMPT (the prompt text's features), and cascade routing's direct fraction chosen on
+   both heads' out-of-fold predictions.
 
 Writes paged_jax/routing/trained/<weak>+<strong>/: `data.npz` (features, labels, family and
-difficulty per item), `head` (the router's), and `metrics.json` (accuracies, calibration
-error, costs). Pairs: Qwen2.5-Coder 0.5B / 1.5B (the default; all families, code included)
-and SmolLM2-135M / Gemma 3 270M (the general families; `--weak smollm2 --strong gemma3`).
+difficulty per item), `head` (the cascade's answer head), `prompt_head`, and `metrics.json`
+(accuracies, calibration error, costs). Pairs: Qwen2.5-Coder 0.5B / 1.5B (the default; all
+families, code included) and SmolLM2-135M / Gemma 3 270M (the general families; `--weak
+smollm2 --strong gemma3`). `--prompt-head-only` rebuilds the prompt head from data.npz.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from paged_jax.routing import curves as cv
 from paged_jax.routing import features as feat
 from paged_jax.routing import head as head_lib
 from paged_jax.routing import likelihood as lk
+from paged_jax.routing import policies as pol
 from paged_jax.routing.tasks import ALL_FAMILIES, FAMILIES, Item, make_items
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.study.cost_model import GpuCostModel
@@ -58,6 +63,10 @@ MEMBERS = 3  # heads averaged per router (head.py)
 # (named feature columns, principal components of the hidden state)
 PROMPT_ONLY = feat.PROMPT_COLUMNS
 CANDIDATES = tuple((cols, k) for cols in (None, PROMPT_ONLY) for k in (0, 8, 16))
+# The prompt head's inputs (routing/policies.py): the prompt text's features alone, known
+# before any model runs (its hidden state would cost the weak model's prefill first, and
+# routed no better on 840 questions: results/routing.json's notes)
+PROMPT = (PROMPT_ONLY, 0)
 FOLDS = 5
 COST_ITEMS = 64  # fresh questions per timed run of measured_seconds
 
@@ -157,7 +166,7 @@ def seconds_per_request(llm: LLM, items: list[Item], max_tokens: int, probe: boo
 
 
 def measured_seconds(weak: LLM, strong: LLM, models: tuple[str, str], window: int,
-                     reps: int = 3) -> dict:
+                     reps: int = 3, cost_items: int = COST_ITEMS) -> dict:
     """Per request, on this machine: each model answering, and the router's probe (the weak
     model's prefill and first `window` tokens; and with the first token only, for
     comparison); run after labelling (programs compiled),
@@ -168,7 +177,7 @@ def measured_seconds(weak: LLM, strong: LLM, models: tuple[str, str], window: in
     seeds = iter(range(100, 100 + reps * len(runs)))
     for _ in range(reps):
         for k, (llm, tokens, probe) in runs.items():
-            seen[k].append(seconds_per_request(llm, pair_items(COST_ITEMS, models, next(seeds)),
+            seen[k].append(seconds_per_request(llm, pair_items(cost_items, models, next(seeds)),
                                                tokens, probe))
     return {k: float(np.median(v)) for k, v in seen.items()}
 
@@ -184,7 +193,8 @@ def modeled_seconds(llm: LLM, prompt_tokens: float, output_tokens: float) -> flo
 
 
 def costs(weak: LLM, strong: LLM, w: dict, s: dict, items: list[Item],
-          models: tuple[str, str], window: int) -> dict:
+          models: tuple[str, str], window: int, timing: tuple[int, int] = (3, COST_ITEMS)
+          ) -> dict:
     """Seconds per request: measured here (warm, batched) and modeled on a GPU, per model,
     and the router's probe (what a request the router moves has paid the weak model)."""
     prompt = float(np.mean([len(weak.get_tokenizer().encode(it.prompt)) for it in items]))
@@ -193,7 +203,7 @@ def costs(weak: LLM, strong: LLM, w: dict, s: dict, items: list[Item],
                for m, llm in zip(models, (weak, strong), strict=True)}
     modeled["probe"] = modeled_seconds(weak, prompt, w["window_tokens"])
     modeled["probe_first_token"] = modeled_seconds(weak, prompt, 1)
-    return dict(measured_cpu=measured_seconds(weak, strong, models, window),
+    return dict(measured_cpu=measured_seconds(weak, strong, models, window, *timing),
                 modeled_gpu=modeled, output_tokens=out, prompt_tokens=prompt)
 
 
@@ -212,23 +222,55 @@ def open_labels(weak: LLM, strong: LLM, items: list[Item], y: np.ndarray,
 
 
 def build(weak: LLM, strong: LLM, items: list[Item], models: tuple[str, str] = MODELS,
-          window: int = feat.WINDOW) -> dict:
-    """Labels, features, costs, the shipped head, and out-of-fold predictions (random folds)."""
+          window: int = feat.WINDOW, timing: tuple[int, int] = (3, COST_ITEMS)) -> dict:
+    """Labels, features, costs (`timing`: timed runs per side, fresh questions per run), the
+    shipped heads, and out-of-fold predictions (random folds)."""
     w, s = answer(weak, items, True, window), answer(strong, items, False)
     y = np.stack([w["correct"], s["correct"]], 1).astype(np.float32)
     opened = open_labels(weak, strong, items, y, models)
     cand, scores = choose(w["x"], y)
     head = fit(w["x"], y, cand)
     oof = cross_fit(w["x"], y, fold_ids(len(items)))
-    cost = costs(weak, strong, w, s, items, models, window)
+    cost = costs(weak, strong, w, s, items, models, window, timing)
+    prompt_head, prompt_oof = prompt_router(w["x"], y, oof, cost, models)
     head.metrics = dict(
         split="all items", train=len(items), inputs=candidate_name(cand), candidates=scores,
         cost=cost, models=list(models), window=window,
         ece_out_of_fold=[head_lib.calibration(oof[:, j], y[:, j]) for j in range(2)],
         train_gains=sorted(head.gain(w["x"]).round(5).tolist()))
     return dict(x=w["x"], x_first=w["x_first"], y=y, head=head, oof=oof, cost=cost,
+                prompt_head=prompt_head, prompt_oof=prompt_oof,
                 models=models, texts=(w["texts"], s["texts"]), open=opened, window=window,
                 accuracy=dict(zip(models, y.mean(0).tolist(), strict=True)))
+
+
+def prompt_router(x: np.ndarray, y: np.ndarray, oof: np.ndarray, cost: dict,
+                  models: tuple[str, str]) -> tuple[head_lib.Head, np.ndarray]:
+    """The prompt head (inputs PROMPT) on every row, and its out-of-fold predictions; its
+    metrics keep its training gains and cascade routing's direct fraction, chosen on the
+    random folds' predictions of both heads (routing/policies.py)."""
+    head = fit(x, y, PROMPT)
+    p = cross_fit(x, y, fold_ids(len(y)), candidate=PROMPT)
+    clock = cost["modeled_gpu"]
+    direct = pol.choose_direct(y, pol.Scores(p[:, 1] - p[:, 0], oof[:, 1] - oof[:, 0]),
+                               pol.Clock(clock[models[0]], clock[models[1]], clock["probe"]))
+    head.metrics = dict(inputs=candidate_name(PROMPT), models=list(models), cost=cost,
+                        direct=direct, train_gains=sorted(head.gain(x).round(5).tolist()))
+    return head, p
+
+
+def rebuild_prompt_head(models: tuple[str, str], folder: Path | None = None) -> Path:
+    """The prompt head of a pair whose folder holds data.npz and metrics.json (the answer
+    head's out-of-fold predictions with its shipped inputs, for the direct fraction)."""
+    folder = (folder or head_lib.pair_folder(*models)).absolute()
+    with np.load(folder / "data.npz") as d:
+        x, y = d["x"], d["y"]
+    metrics = json.loads((folder / "metrics.json").read_text())
+    cols, k = metrics["inputs"].split("+pca")
+    oof = cross_fit(x, y, fold_ids(len(y)), candidate=(
+        None if cols == "all" else PROMPT_ONLY, int(k)))
+    head, _ = prompt_router(x, y, oof, metrics["cost"], models)
+    return head_lib.save(head, folder / "prompt_head")
 
 
 def save(data: dict, items: list[Item], folder: Path | None = None) -> Path:
@@ -243,6 +285,7 @@ def save(data: dict, items: list[Item], folder: Path | None = None) -> Path:
     np.savez_compressed(folder / "data.npz", **arrays)
     head = data["head"]
     head_lib.save(head, folder / "head")
+    head_lib.save(data["prompt_head"], folder / "prompt_head")
     metrics = dict(models=models, items=len(items), accuracy=data["accuracy"], cost=data["cost"],
                    features=[*feat.NAMES, "hidden state"], window=data["window"],
                    families=list(ALL_FAMILIES), held_out_families=PAIRS[tuple(models)][1],
@@ -260,10 +303,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--weak", default=MODELS[0])
     ap.add_argument("--strong", default=MODELS[1])
     ap.add_argument("--out", type=Path, default=None, help="default: the pair's folder")
+    ap.add_argument("--prompt-head-only", action="store_true",
+                    help="rebuild only the prompt head, from the pair folder's data.npz and "
+                         "metrics.json (no model runs)")
     args = ap.parse_args(argv)
     models = (args.weak, args.strong)
     if models not in PAIRS:
         raise SystemExit(f"no task set for the pair {models}; pairs: {list(PAIRS)}")
+    if args.prompt_head_only:
+        return dict(prompt_head=rebuild_prompt_head(models, args.out))
     items = pair_items(168 if args.quick else args.items, models)
     weak, strong = (LLM(m, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=512)
                     for m in models)

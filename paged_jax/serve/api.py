@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API over `AsyncEngine`s (FastAPI): one model, or a RoutedLLM's
-two models plus "auto" (each request routed by the router's head; serve/routed.py).
+two models plus "auto" (each request routed by the router's policy; serve/routed.py).
 
     POST /v1/completions        text or token-id prompts; stream: true -> server-sent events
     POST /v1/chat/completions   the model's chat template; stream: true -> SSE chunks

@@ -48,6 +48,7 @@ class RequestStream:
         self.finished = False
         self._peeked: RequestOutput | None = None
         self.served = None  # set by the server: the model serving this request
+        self.route = None  # "auto": the router's decision made before submitting (routed.py)
 
     async def peek(self) -> RequestOutput | None:
         """Waits for the first output (raising the engine's error if it refused the

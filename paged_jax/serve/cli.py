@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 HYBRID = {"auto": None, "on": True, "off": False}  # --hybrid-kv-cache -> LLM(hybrid_kv_cache=)
 
@@ -72,8 +73,13 @@ def _server_flags(ap: argparse.ArgumentParser) -> None:
                     help='route: serve MODEL (weak) and this one, plus "auto" (each request '
                          "routed by a trained head; same engine flags for both)")
     ap.add_argument("--router-head", default=None,
-                    help="the head's folder (default: the head shipped for MODEL and "
-                         "--strong-model, e.g. qwen2.5-coder-0.5b and qwen2.5-coder-1.5b)")
+                    help="the answer head's folder (default: the head shipped for MODEL and "
+                         "--strong-model, e.g. qwen2.5-coder-0.5b and qwen2.5-coder-1.5b); "
+                         "the prompt head is its sibling prompt_head")
+    ap.add_argument("--routing-policy", default="cascade_routing",
+                    choices=["prompt", "cascade", "cascade_routing"],
+                    help="routing/policies.py: the prompt head before any model runs, the "
+                         "answer head after the weak model's first tokens, or both")
     ap.add_argument("--strong-share", type=float, default=0.5,
                     help='share of "auto" traffic the head would send to the strong model')
     ap.add_argument("--cost-budget", type=float, default=None,
@@ -116,10 +122,13 @@ def main(argv: list[str] | None = None) -> None:
         from paged_jax.routing.router import RoutedLLM
 
         names = (name, default_name(a.strong_model))
-        head = load(a.router_head or pair_folder(a.model, a.strong_model) / "head")
-        router = RoutedLLM(LLM(a.model, **kw), LLM(a.strong_model, **kw), head,
+        folder = Path(a.router_head or pair_folder(a.model, a.strong_model) / "head")
+        prompt = (None if a.routing_policy == "cascade"
+                  else load(folder.parent / "prompt_head"))
+        router = RoutedLLM(LLM(a.model, **kw), LLM(a.strong_model, **kw), load(folder),
                            strong_share=a.strong_share, names=names,
-                           cost_budget=a.cost_budget)
+                           cost_budget=a.cost_budget, policy=a.routing_policy,
+                           prompt_head=prompt)
         app = build_app(router, max_pending=a.max_pending, plan_eagerly=a.plan_eagerly,
                         warmup=a.warmup, on_warm=WarmupLog())
         name = f"{names[0]}, {names[1]} and auto"

@@ -1,6 +1,9 @@
 """The server's "auto" model: each request is routed between the two served models by a
-RoutedLLM's head, as `RoutedLLM.generate` does offline.
+RoutedLLM's policy (routing/policies.py), as `RoutedLLM.generate` does offline.
 
+    router.pre_route(prompt): the prompt head's choice before any model runs (the prompt
+      and cascade-routing policies): submitted to that model as asked, streamed from its
+      first token; otherwise (the cascade, and the rest of cascade routing):
     submit to the weak model's engine (logprobs and hidden state asked for)
       -> read its outputs until the router's window is full (or the answer ended)
       -> router.decide(...)
@@ -10,8 +13,10 @@ RoutedLLM's head, as `RoutedLLM.generate` does offline.
          strong: the weak request is aborted (its full prompt blocks stay in the weak
                  prefix cache) and the request is submitted to the strong model's engine
 
-Both engines run on their own threads, so moved requests decode on the strong model while the
-weak one serves the rest. Responses name the model that served each request.
+A cascaded request streams nothing until the router has read the weak model's window: its
+first chunk holds the window's text (on the shipped pair's short answers, usually the whole
+answer). Both engines run on their own threads, so moved requests decode on the strong model
+while the weak one serves the rest. Responses name the model that served each request.
 """
 
 from __future__ import annotations
@@ -70,8 +75,10 @@ async def submit_all(router: RoutedLLM, weak, strong, prompts: list, params: Sam
     firsts = []
     try:
         for p, rid in zip(prompts, ids, strict=True):
-            s = weak.engine.submit(p, router.probe_params(params), rid)
-            s.served = weak
+            route = router.pre_route(p)
+            served = strong if route is not None and route.model == strong.name else weak
+            s = served.engine.submit(p, params if route else router.probe_params(params), rid)
+            s.served, s.route = served, route
             firsts.append(s)
     except BaseException:
         for s in firsts:
@@ -90,6 +97,11 @@ async def submit_all(router: RoutedLLM, weak, strong, prompts: list, params: Sam
 
 async def _route(router: RoutedLLM, stream: RequestStream, weak, strong, prompt: str,
                  params: SamplingParams, on_route) -> RoutedStream:
+    if stream.route is not None:  # decided by the prompt head: streamed as it is
+        if on_route is not None:
+            on_route(stream.route)
+        await stream.peek()  # a refusal surfaces here, before the response starts
+        return RoutedStream(stream, stream.served, None)
     out = await stream.peek()
     while out is not None and not ready(out, router.window):
         await stream.__anext__()  # cumulative outputs: the next one holds this one's tokens
