@@ -47,7 +47,7 @@ from paged_jax.serve.api import build_app
 from paged_jax.serve.background import Server
 
 # --quick: every code path on less (the bar: under 5 minutes on this machine)
-QUICK = dict(items=56, end_to_end=8, balance=40, timing=(1, 16), boot=200)
+QUICK = dict(items=42, end_to_end=8, balance=40, timing=(3, 6), boot=200)
 
 
 def split_results(data: dict, items, boot: int = 1000) -> dict:
@@ -278,7 +278,10 @@ def main(argv: list[str] | None = None, name: str = "routing") -> dict:
     items = tr.pair_items(sizes["items"])
     weak, strong = (LLM(m, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=512)
                     for m in tr.MODELS)
+    clock = [time.perf_counter()]
+    lap = lambda: clock.append(time.perf_counter()) or round(clock[-1] - clock[-2], 1)  # noqa: E731
     data = tr.build(weak, strong, items, timing=sizes["timing"])
+    seconds = dict(load_label_time=lap())
     res = dict(models=dict(weak=tr.MODELS[0], strong=tr.MODELS[1]), items=len(items),
                families=list(tr.PAIRS[tr.MODELS][0]),
                held_out_families=dict(
@@ -291,16 +294,20 @@ def main(argv: list[str] | None = None, name: str = "routing") -> dict:
     if not quick:
         res["shipped_head"] = str(tr.save(data, items))
     res["splits"] = split_results(data, items, sizes["boot"])
+    seconds["splits"] = lap()
     res.update({p: res["splits"]["random"]["curves"][p] for p in CURVES})
     res["best_policy"] = rp.best(res["splits"]["random"]["policies"])  # random split, GPU
     res["window"] = window_ablation(data)
+    seconds["window"] = lap()
     saved = res["splits"]["random"]["cost_saved_at_95"]
     res["cost_saved_at_95"] = saved["measured_cpu"]["cost_saved"]  # this machine's clock
     res["cost_saved_at_95_modeled_gpu"] = saved["modeled_gpu"]["cost_saved"]
     res["end_to_end"] = end_to_end(weak, strong, data, sizes["end_to_end"], res["best_policy"])
+    seconds["end_to_end"] = lap()
     del weak, strong
     res["targets"] = targets(res)
     res["balance"] = balance.panel(requests=sizes["balance"])
+    res["seconds"] = dict(seconds, balance=lap())
     res["balance_checks"] = balance_checks(res["balance"])
     res["png"] = str(plot(res, name))
     res["json"] = str(save_json(name, res))

@@ -72,3 +72,4 @@ def show(res: dict) -> None:
     print(table(res["balance"], ["replicas", "rate", "policy", "e2e_p50", "e2e_p99", "ttft_p99",
                                  "throughput", "prefix_hit_rate", "lost"]))
     print(res["balance_checks"])
+    print("seconds per part:", res.get("seconds"))
