@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -19,17 +20,18 @@ from paged_jax.engine.config import scheduling
 from paged_jax.routing import features as feat
 from paged_jax.routing import head as head_lib
 from paged_jax.routing import train
+from paged_jax.serve import cli
 from paged_jax.serve.cli import parser
 from tests.test_models_gguf import E, hf_weights, write_gguf
 
 
-def tiny_head(folder) -> str:
+def tiny_head(folder, candidate=(None, 4)) -> str:
     """A head for the tiny GGUF's hidden size, on random labels (the shipped head projects
-    SmolLM2's 576-wide hidden state)."""
+    SmolLM2's 576-wide hidden state); candidate train.PROMPT: a prompt head."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((256, len(feat.NAMES) + E)).astype(np.float32)
     y = (rng.random((256, 2)) < 0.5).astype(np.float32)
-    return str(head_lib.save(train.fit(x, y, (None, 4)), folder))
+    return str(head_lib.save(train.fit(x, y, candidate), folder))
 
 
 def free_port() -> int:
@@ -42,13 +44,15 @@ def free_port() -> int:
 def test_cli_serves_a_gguf_and_stops_gracefully(tmp_path, routed):
     """One model with `--quantization int4` (int4 weights through the CLI); routed:
     `--strong-model` adds a second GGUF and "auto" (a head saved for the tiny model's hidden
-    size routes: `--router-head`)."""
+    size routes: `--router-head`, and a prompt head for the default policy, cascade routing:
+    `--prompt-head`)."""
     path, strong = tmp_path / "tiny.gguf", tmp_path / "tiny2.gguf"
     write_gguf(path, hf_weights(np.random.default_rng(0)))
     extra = ["--quantization", "int4"]
     if routed:
         write_gguf(strong, hf_weights(np.random.default_rng(1)))
-        extra = ["--strong-model", str(strong), "--router-head", tiny_head(tmp_path / "head")]
+        extra = ["--strong-model", str(strong), "--router-head", tiny_head(tmp_path / "head"),
+                 "--prompt-head", tiny_head(tmp_path / "prompt", train.PROMPT)]
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "paged_jax.serve", str(path), "--port", str(port),
@@ -92,3 +96,14 @@ def test_scheduling_flags_default_to_what_llm_decides():
     a = parser().parse_args(["--decode-window", "4", "--async-scheduling"])
     with pytest.raises(ValueError, match="decode_window=4 .*async_scheduling=True"):
         scheduling(a.decode_window, a.async_scheduling, None)
+
+
+def test_a_policy_without_its_prompt_head_names_the_problem(tmp_path):
+    """An answer head brought alone cannot run the default policy: the error says which
+    folder lacks the prompt head and both ways out; cascade needs no prompt head."""
+    head = Path(tiny_head(tmp_path / "head"))
+    a = parser().parse_args(["m.gguf", "--strong-model", "s.gguf", "--router-head", str(head)])
+    with pytest.raises(SystemExit, match="prompt_head holds none.*--routing-policy cascade"):
+        cli.prompt_folder(a, head)
+    a.prompt_head = tiny_head(tmp_path / "prompt", train.PROMPT)
+    assert cli.prompt_folder(a, head) == Path(a.prompt_head)

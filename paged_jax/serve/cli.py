@@ -76,6 +76,9 @@ def _server_flags(ap: argparse.ArgumentParser) -> None:
                     help="the answer head's folder (default: the head shipped for MODEL and "
                          "--strong-model, e.g. qwen2.5-coder-0.5b and qwen2.5-coder-1.5b); "
                          "the prompt head is its sibling prompt_head")
+    ap.add_argument("--prompt-head", default=None,
+                    help="the prompt head's folder, read by the prompt and cascade_routing "
+                         "policies (default: prompt_head beside the answer head)")
     ap.add_argument("--routing-policy", default="cascade_routing",
                     choices=["prompt", "cascade", "cascade_routing"],
                     help="routing/policies.py: the prompt head before any model runs, the "
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         names = (name, default_name(a.strong_model))
         folder = Path(a.router_head or pair_folder(a.model, a.strong_model) / "head")
         prompt = (None if a.routing_policy == "cascade"
-                  else load(folder.parent / "prompt_head"))
+                  else load(prompt_folder(a, folder)))
         router = RoutedLLM(LLM(a.model, **kw), LLM(a.strong_model, **kw), load(folder),
                            strong_share=a.strong_share, names=names,
                            cost_budget=a.cost_budget, policy=a.routing_policy,
@@ -134,6 +137,17 @@ def main(argv: list[str] | None = None) -> None:
         name = f"{names[0]}, {names[1]} and auto"
     print(f"serving {name} on http://{a.host}:{a.port}/v1", flush=True)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+
+
+def prompt_folder(a, answer_head: Path) -> Path:
+    """The prompt head a policy other than cascade reads; a clear error when it is missing
+    (a user who brings only an answer head must say so: `--routing-policy cascade`)."""
+    folder = Path(a.prompt_head or answer_head.parent / "prompt_head")
+    if not (folder / "head.json").exists():
+        raise SystemExit(f"--routing-policy {a.routing_policy} reads a prompt head, and "
+                         f"{folder} holds none: pass --prompt-head FOLDER, or "
+                         "--routing-policy cascade to route on the answer head alone")
+    return folder
 
 
 class WarmupLog:
