@@ -280,13 +280,14 @@ def _top(pos: dict, token: int, k: int) -> dict:
 
 
 def shipped_router(strong_share: float = 0.5, models: tuple[str, str] = DEFAULT_PAIR,
-                   policy: str = "cascade", **llm_kwargs) -> RoutedLLM:
+                   policy: str = "cascade_routing", **llm_kwargs) -> RoutedLLM:
     """A (weak, strong) pair of shipped models with the heads trained on them (paged_jax/
     routing/trained/<weak>+<strong>): Qwen2.5-Coder 0.5B / 1.5B Instruct by default (the 1.5B
-    comes with `make models`), or ("smollm2", "gemma3"); `llm_kwargs` go to both LLMs."""
+    comes with `make models`), or ("smollm2", "gemma3"); `llm_kwargs` go to both LLMs. The
+    policy defaults to the one results/routing.json found best (the CLI's default too)."""
     folder = pair_folder(*models)
     head = load(folder / "head")
-    prompt_head = load(folder / "prompt_head") if (folder / "prompt_head").exists() else None
+    prompt_head = load(folder / "prompt_head")  # both shipped pairs have one
     weak, strong = (LLM(m, **llm_kwargs) for m in models)
     return RoutedLLM(weak, strong, head, strong_share=strong_share, names=models,
                      policy=policy, prompt_head=prompt_head)
