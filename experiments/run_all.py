@@ -19,6 +19,7 @@ from experiments import (
     kv_quantization,
     latency_vs_rate,
     long_prompt,
+    lora,
     memory_breakdown,
     moe,
     preemption,
@@ -61,6 +62,7 @@ FULL = [
     (speculative_draft, dict(argv=[])),
     (structured_outputs, dict(argv=[])),
     (moe, dict(argv=[])),
+    (lora, dict(argv=[])),
     (bench_serving, dict(argv=["--requests", "32", "--rates", "1", "2", "inf", "--offline"]
                           + (["--vllm-python", str(VLLM)] if VLLM.exists() else []))),
     (test_times, dict(argv=[])),  # `make test` cold and warm, last: it runs the suite twice

@@ -10,171 +10,36 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence as Seq
-from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 from tqdm.auto import tqdm
-from tqdm.std import tqdm as std_tqdm
 
 from paged_jax.cache import kv_quant
-from paged_jax.cache.groups import KVGroups, plan_groups
-from paged_jax.cache.kv_cache import kv_cache_bytes
 from paged_jax.engine import Engine, EngineConfig
 from paged_jax.engine.balance import Balancer
 from paged_jax.engine.beam_search import beam_search
 from paged_jax.engine.config import scheduling
 from paged_jax.engine.input import prompt_ids
 from paged_jax.engine.speculative import SpeculativeConfig
-from paged_jax.models import Tokenizer, load_model, parallel
-from paged_jax.models.tokenizer import tokenizer_from_folder
+from paged_jax.llm_setup import (  # noqa: F401 (kv_groups_for, as_requests: re-exported)
+    DTYPES,
+    _bar_off,
+    _choose_dtype,
+    as_requests,
+    block_bytes,
+    kv_groups_for,
+    load_draft,
+    memory_for_kv,
+    model_len,
+    own_tokenizer,
+    per_prompt,
+    positive,
+    resolve_dtype,
+)
+from paged_jax.lora.config import LoRAConfig
+from paged_jax.lora.request import LoRARequest
+from paged_jax.models import load_model
 from paged_jax.outputs import BeamSearchOutput, RequestOutput
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def resolve_dtype(dtype: str) -> str:
-    """The dtype a checkpoint is loaded in: "auto" is bfloat16 on accelerators and float32
-    on CPU, where `LLM` then checks whether this CPU's bfloat16 path (C++ matmuls on
-    bfloat16 weights) keeps the checkpoint's quality, and runs it if so
-    (paged_jax/precision.py)."""
-    if dtype == "auto":
-        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
-    return dtype
-
-
-def positive(**values) -> None:
-    """Each value a positive integer, or a ValueError naming it."""
-    for name, value in values.items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def model_len(asked: int | None, config) -> int:
-    """max_model_len: as asked (within the model's positions), else up to 2048."""
-    got = asked or min(config.max_position_embeddings, 2048)
-    if got > config.max_position_embeddings:
-        raise ValueError(f"max_model_len={got} exceeds the model's "
-                         f"max_position_embeddings={config.max_position_embeddings}")
-    return got
-
-
-def _choose_dtype(asked: str, dtype: str, model: str, model_parts, quantization, config,
-                  params, tok) -> tuple[dict, dict]:
-    """What runs and why (LLM.dtype_choice), and the params in it: the precision check for
-    "auto" on CPU when LLM loads the checkpoint itself (paged_jax/precision.py), else the
-    dtype as resolved."""
-    if asked != "auto":
-        return dict(dtype=dtype, reason="asked for"), params
-    if model_parts is not None or quantization or jax.default_backend() != "cpu":
-        return dict(dtype=dtype, reason="the platform's default" + (
-            " (weights given or quantized: no precision check)" if model_parts or
-            quantization else "")), params
-    from paged_jax import precision
-    from paged_jax.models.loader import model_path
-
-    try:
-        path = model_path(model)
-    except (ValueError, FileNotFoundError, OSError):
-        path = None
-    choice = precision.choose(config, params, tok, precision.checkpoint_key(path, model))
-    if choice["dtype"] != dtype:
-        params = jax.tree.map(lambda x: x.astype(DTYPES[choice["dtype"]]), params)
-    return choice, params
-
-
-def own_tokenizer(path: str, config) -> Tokenizer:
-    """LLM(tokenizer=...): a Hugging Face folder's tokenizer, checked against the model."""
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise ValueError(f"tokenizer={path!r}: expected a local Hugging Face folder with a "
-                         "tokenizer.json (paged-jax downloads nothing)")
-    tok = tokenizer_from_folder(folder, config.eos_token_ids)
-    if tok.backend.get_vocab_size() > config.vocab_size:
-        raise ValueError(f"tokenizer={path!r} has {tok.backend.get_vocab_size()} tokens, more "
-                         f"than the model's vocab_size {config.vocab_size}")
-    return tok
-
-
-def memory_for_kv(utilization: float, params) -> int:
-    """LLM(gpu_memory_utilization=...): bytes left for the KV pool once weights are placed."""
-    if not 0 < utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
-        raise ValueError("gpu_memory_utilization needs a device that reports its memory "
-                         f"({jax.devices()[0].platform} does not); pass kv_cache_memory=BYTES")
-    weights = sum(x.nbytes for x in jax.tree.leaves(params))
-    room = int(utilization * stats["bytes_limit"]) - weights
-    if room <= 0:
-        raise ValueError(f"gpu_memory_utilization={utilization} leaves no room for the KV "
-                         f"cache beside {weights / 2**30:.1f} GiB of weights")
-    return room
-
-
-def as_requests(
-    prompts: str | dict | Seq, sampling_params: SamplingParams | Seq | None
-) -> tuple[list, list[SamplingParams]]:
-    """generate's arguments as two equal lists: prompts, and one SamplingParams each."""
-    prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
-    if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-    if len(sampling_params) != len(prompts):
-        raise ValueError(f"got {len(sampling_params)} sampling_params for "
-                         f"{len(prompts)} prompts")
-    return prompts, list(sampling_params)
-
-
-def _bar_off(use_tqdm: bool) -> bool | None:
-    """tqdm's `disable`: off when not asked; in a terminal, off when stderr is not a TTY
-    (None: logs and CI output get no carriage-return spam); on in notebooks (widgets)."""
-    if not use_tqdm:
-        return True
-    return None if tqdm is std_tqdm else False
-
-
-def kv_groups_for(config, hybrid: bool | None, prefix_caching: bool,
-                  speculative: SpeculativeConfig | None) -> KVGroups | None:
-    """The engine's KV cache groups (cache/groups.py): sliding-window layers in groups of
-    their own when the model has them and `hybrid` is True or None (auto); else None: one
-    group. Prefix caching works on groups (cache/prefix_cache.py); a draft model's pages
-    follow a full-attention group (engine/draft.py), so auto gives one group to a draft on
-    a model whose every layer slides."""
-    groups = plan_groups(tuple(config.window(i) for i in range(config.num_layers)))
-    draft = speculative is not None and speculative.model is not None
-    if hybrid is False or not groups.hybrid or (hybrid is None and draft
-                                                and groups.full_group is None):
-        return None
-    return groups
-
-
-def block_bytes(config, draft: tuple | None, tp: int, block_size: int, kv_dtype,
-                groups: KVGroups | None = None) -> int:
-    """One block's bytes on one device: the model's K/V pages (one per buffer: a layer, or
-    a layer of each group), and a draft model's beside them (engine/draft.py)."""
-    heads = parallel.layout(config, tp).num_kv_heads
-    layers = groups.num_buffers if groups else config.num_layers
-    size = kv_cache_bytes(layers, heads, block_size, config.head_dim, kv_dtype)
-    if draft is not None:
-        d = draft[0]
-        size += kv_cache_bytes(d.num_layers, d.num_kv_heads, block_size, d.head_dim, kv_dtype)
-    return size
-
-
-def load_draft(spec: SpeculativeConfig | None, parts, tok, dtype) -> tuple | None:
-    """The draft model's (config, params) when speculative decoding asks for one (loaded
-    unless `parts` are given); its tokenizer must encode as the model's does."""
-    if spec is None or not spec.draft_model:
-        return None
-    config, params, dtok = parts or load_model(spec.model, dtype)
-    probe = "def f(x):\n    return x * 2  # Hello, world! 123 \u00e9\u4e2d"
-    if tok is not None and dtok is not None and tok.encode(probe) != dtok.encode(probe):
-        raise ValueError(f"draft model {spec.model!r} tokenizes differently from the model: "
-                         "its drafts would not be the same tokens")
-    return config, params
 
 
 class LLM:
@@ -246,6 +111,10 @@ class LLM:
         manager), with or without prefix caching and draft models (a draft's pages follow a
         full-attention group). None (auto): on for a model with windows; True: on; False:
         every layer holds the whole sequence's blocks.
+      enable_lora, max_loras, max_lora_rank, max_cpu_loras: LoRA adapters (vLLM's names;
+        paged_jax/lora): requests name one with `generate(..., lora_request=LoRARequest(name,
+        int_id, path))`; up to max_loras distinct adapters run in one batch, each of rank
+        <= max_lora_rank, max_cpu_loras (default max_loras) kept read in host memory.
     """
 
     def __init__(
@@ -261,7 +130,8 @@ class LLM:
         data_parallel_size: int = 1, static_shapes: bool = False,
         async_scheduling: bool | None = None, long_prefill_token_threshold: int = 0,
         speculative_config: dict | None = None, draft_model_parts=None,
-        hybrid_kv_cache: bool | None = None, **unsupported,
+        hybrid_kv_cache: bool | None = None, enable_lora: bool = False, max_loras: int = 1,
+        max_lora_rank: int = 16, max_cpu_loras: int | None = None, **unsupported,
     ):
         if unsupported:
             raise TypeError(f"LLM() got unsupported arguments: {sorted(unsupported)}")
@@ -269,6 +139,7 @@ class LLM:
                  max_num_batched_tokens=max_num_batched_tokens,
                  tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size)
         speculative = SpeculativeConfig.of(speculative_config)  # fails before loading
+        lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
         decode_window, async_scheduling = scheduling(decode_window, async_scheduling,
                                                      speculative)
         asked, dtype = dtype, resolve_dtype(dtype)
@@ -300,7 +171,8 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size,
             static_shapes=static_shapes, speculative=speculative,
             async_scheduling=async_scheduling,
-            long_prefill_token_threshold=long_prefill_token_threshold, kv_groups=groups)
+            long_prefill_token_threshold=long_prefill_token_threshold, kv_groups=groups,
+            lora=lora)
         self.replicas = [Engine(config, params, tok, dataclasses.replace(
             self.engine_config, first_device=i * tensor_parallel_size), draft=draft)
             for i in range(data_parallel_size)]
@@ -312,7 +184,7 @@ class LLM:
 
     def generate(
         self, prompts: str | dict | Seq, sampling_params: SamplingParams | Seq | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool = True, lora_request: LoRARequest | Seq | None = None,
     ) -> list[RequestOutput]:
         """Generates completions for all prompts; outputs come back in input order.
 
@@ -320,14 +192,17 @@ class LLM:
           prompts: a prompt or a list; each a str, {"prompt": str} or {"prompt_token_ids": [..]}.
           sampling_params: one SamplingParams for all, or one per prompt; default vLLM's.
           use_tqdm: show a progress bar with requests done and output tokens/s.
+          lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base
+            model); needs enable_lora=True.
         """
         prompts, sampling_params = as_requests(prompts, sampling_params)
+        loras = per_prompt(lora_request, len(prompts))
         ids = []
         try:
-            for p, sp in zip(prompts, sampling_params, strict=True):
+            for p, sp, lr in zip(prompts, sampling_params, loras, strict=True):
                 ids.append(str(self._counter))
                 self._counter += 1
-                self._replica(ids[-1], p, sp).add_request(ids[-1], p, sp)
+                self._replica(ids[-1], p, sp).add_request(ids[-1], p, sp, lora_request=lr)
         except Exception:
             for i in ids:
                 for e in self.replicas:
@@ -348,14 +223,15 @@ class LLM:
         self, messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Seq | None = None, use_tqdm: bool = True,
         add_generation_prompt: bool = True, chat_template: str | None = None,
+        lora_request: LoRARequest | Seq | None = None,
     ) -> list[RequestOutput]:
         """Applies a chat template (the model's, or `chat_template`, a jinja string) to one
-        conversation or a list of them, and generates."""
+        conversation or a list of them, and generates (under `lora_request` as generate)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
         prompts = [tok.apply_chat_template(c, add_generation_prompt, chat_template)
                    for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(
         self, prompts: Seq, params: BeamSearchParams, use_tqdm: bool = False

@@ -265,6 +265,19 @@ def test_moe_times_every_expert_path_on_the_same_tokens():
     assert "verdict" in saved["targets"]["grouped over dense at batch 4"]
 
 
+def test_lora_times_every_adapter_mix_beside_the_base_model():
+    """Batch 4, one round: the base model and 1 / 4 / 16 adapters (4 distinct at batch 4),
+    each timed with no program built while timed; the adapters' load counters."""
+    from experiments import lora
+
+    data = lora.main(["--rounds", "1", "--tokens", "4", "--batches", "4"])
+    part = json.loads(open(data["json"]).read())["throughput"][0]
+    assert set(part["tok_s"]) == {"base", "1 adapters", "4 adapters", "16 adapters"}
+    assert part["programs_built_timed"] == 0 and all(v["median"] > 0
+                                                     for v in part["tok_s"].values())
+    assert data["load"]["disk_loads"] == 4 and data["load"]["slot_writes"] >= 4
+
+
 def cut_short(text: str) -> bool:
     """Whether `text` is a JSON document cut off before its end (what max_tokens does to a
     constrained output), not one that went wrong inside: parsing fails only at the end."""

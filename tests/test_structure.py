@@ -49,6 +49,7 @@ LAYERS = {
     "paged_jax.sampling_params": 0, "paged_jax.outputs": 0,
     "paged_jax.cache": 1,
     "paged_jax.models": 2, "paged_jax.sample": 2,
+    "paged_jax.lora": 2.5,  # adapters: read into the models' slots, placed by the engine
     "paged_jax.engine": 3, "paged_jax.precision": 3,
     "paged_jax.study": 4, "paged_jax.llm": 4,
     "paged_jax.generate": 5, "paged_jax.distributed": 5, "paged_jax.routing": 5,

@@ -95,6 +95,12 @@ class Hit:
         return tuple(b for col in self.columns for b in col if b)
 
 
+def salt(seq: Hashed):
+    """The parent of a sequence's first block: None, or what keys it apart (a LoRA
+    adapter: Sequence.hash_salt), so equal tokens under another adapter never hit."""
+    return getattr(seq, "hash_salt", None)
+
+
 class PrefixCache:
     """Hash table of cached full blocks plus the LRU queue of the cached-free ones.
 
@@ -121,7 +127,7 @@ class PrefixCache:
         only ever grow, so the chain only grows)."""
         k, hashes = self.block_size, seq.block_hashes
         for i in range(len(hashes), num_blocks):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else salt(seq)
             hashes.append(hash((parent, tuple(seq.tokens[i * k:(i + 1) * k]))))
         return hashes[:num_blocks]
 
@@ -129,7 +135,7 @@ class PrefixCache:
         """Group `group`'s cached block i of seq (its chain holds hash i already), or None."""
         k = self.block_size
         e = self.entries.get((seq.block_hashes[i], group))
-        parent = seq.block_hashes[i - 1] if i else None
+        parent = seq.block_hashes[i - 1] if i else salt(seq)
         if e is None or e.parent != parent or list(e.tokens) != seq.tokens[i * k:(i + 1) * k]:
             return None
         return e
@@ -190,7 +196,7 @@ class PrefixCache:
             key = (hashes[i], group)
             if not block or key in self.entries or block in self.hash_of:
                 continue
-            parent = hashes[i - 1] if i else None
+            parent = hashes[i - 1] if i else salt(seq)
             self.entries[key] = Entry(block, parent, tuple(seq.tokens[i * k:(i + 1) * k]))
             self.hash_of[block] = key
             new.append(block)

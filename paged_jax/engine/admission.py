@@ -3,6 +3,8 @@
     fcfs          first come first served (preempted requests first: they hold slots)
     cache-aware   longest cached prefix first (SGLang's LPM), no request passed over more
                   than `max_skips` times
+
+and whether a request's LoRA adapter can get a device slot beside the running ones'.
 """
 
 from __future__ import annotations
@@ -40,3 +42,12 @@ def count_skips(waiting: list[Request], admitted: list[Request], skips: dict[str
     for r in waiting:
         if rank[r.request_id] < last and r.request_id not in taken:
             skips[r.request_id] = skips.get(r.request_id, 0) + 1
+
+
+def adapter_fits(req: Request, running: list[Request], max_loras: int) -> bool:
+    """Whether `req` may join the `running` requests: it runs no LoRA adapter, or one of
+    theirs, or a device slot is left for its own (paged_jax/lora/manager.py)."""
+    if req.lora is None:
+        return True
+    used = {r.lora.lora_int_id for r in running if r.lora is not None}
+    return req.lora.lora_int_id in used or len(used) < max_loras

@@ -248,6 +248,7 @@ def build_step(
         shape = dataclasses.replace(shape, prompt_top=ec.max_logprobs)
     if any(seq.wants_hidden(n) for seq, n in chunks):
         shape = dataclasses.replace(shape, hidden=True)
+    shape = dataclasses.replace(shape, lora=runs_adapters(rows, ec))
     masks = _masks(plan, rows, sample, qs, t, vocab_size, eos_ids) if shape.flags.grammar \
         else None
     arrays = (tok, pos, rows_of, row_slots, qs, sample, fs, fd, fi, next_ids)
@@ -258,6 +259,12 @@ def build_step(
                                                vocab_size)
     return (StepBatch(*arrays[:-1], admit=admit, next_ids=arrays[-1], masks=masks), shape,
             forks, rows)
+
+
+def runs_adapters(rows: list[Sequence], ec) -> bool:
+    """Whether a call adds LoRA deltas: some row runs an adapter (every call, with static
+    shapes: one program per kind)."""
+    return ec.lora is not None and (ec.static_shapes or any(s.owner.lora for s in rows))
 
 
 def _masks(plan: Plan, rows: list[Sequence], sample: np.ndarray, qs: np.ndarray, t: int,
@@ -387,5 +394,6 @@ def build_window(
         max_q=1, max_copies=_copies(plan.chunks, ec, r),
         max_pages=_pages(max(ends), ec) if backend.startswith("pallas") else None,
         decode_pages=decode_page_bucket(ends, ec, r) if flat else None, flags=_flags(rows, ec),
-        full_width=cdiv(w, ec.block_size) if ec.enable_prefix_caching else 0)
+        full_width=cdiv(w, ec.block_size) if ec.enable_prefix_caching else 0,
+        lora=runs_adapters(rows, ec))
     return row_slots, tokens, shape, rows

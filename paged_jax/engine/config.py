@@ -8,6 +8,7 @@ from paged_jax.cache import kv_quant
 from paged_jax.cache.config import CacheConfig
 from paged_jax.cache.groups import KVGroups
 from paged_jax.engine.speculative import SpeculativeConfig
+from paged_jax.lora.config import LoRAConfig
 from paged_jax.sizes import cdiv
 
 DECODE_WINDOW = 8  # decode steps per device call when windows apply and none is given
@@ -94,6 +95,8 @@ class EngineConfig:
         window's blocks. None: one group of every layer (models without windows, or the
         hybrid layout turned off). A draft model's pages (engine/draft.py) follow a full
         group's page tables, so some group must be full attention.
+      lora: LoRA adapters (paged_jax/lora): slots and rank; None: requests cannot name one.
+        Not beside speculative decoding or tensor parallelism (refused).
     """
 
     block_size: int = 16
@@ -120,6 +123,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     speculative: SpeculativeConfig | None = None
     kv_groups: KVGroups | None = None
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         kv_quant.storage_dtype(self.kv_cache_dtype, "float32")  # a clear error if unknown
@@ -152,6 +156,10 @@ class EngineConfig:
                 raise ValueError("a draft model on the hybrid KV cache reads a full-attention "
                                  "group's page tables, and every layer of this model slides: "
                                  "pass hybrid_kv_cache=False")
+        if self.lora is not None and (self.speculative or self.tensor_parallel_size > 1):
+            raise ValueError("LoRA adapters run on one device without speculative decoding: "
+                             "enable_lora with speculative_config or tensor_parallel_size > 1 "
+                             "is not supported")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0 = no cap), "
                              f"got {self.long_prefill_token_threshold}")

@@ -45,6 +45,7 @@ from paged_jax.engine.runner import Pending, Runner, StepOutput
 from paged_jax.engine.scheduler import Scheduler, SchedulerConfig
 from paged_jax.engine.sequence import Request, Sequence
 from paged_jax.engine.speculative import check_draft
+from paged_jax.lora.request import LoRARequest
 from paged_jax.models import ModelConfig, Params
 from paged_jax.outputs import RequestOutput
 from paged_jax.sample.sampler import SampleFlags
@@ -108,7 +109,8 @@ class Engine:
                             ec.admission, ec.max_skips, ec.decode_window, ec.seed,
                             async_scheduling=ec.async_scheduling,
                             long_prefill_token_threshold=ec.long_prefill_token_threshold,
-                            speculative=ec.speculative),
+                            speculative=ec.speculative,
+                            max_loras=ec.lora.max_loras if ec.lora else 0),
             self.kv, policy, tokenizer)
         self.requests: dict[str, Request] = {}
         self._in_flight: tuple[Plan, Pending] | None = None  # async: sent, not read yet
@@ -151,9 +153,10 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-        arrival_time: float | None = None,
+        arrival_time: float | None = None, lora_request: LoRARequest | None = None,
     ) -> Request:
-        """Queues a request; raises ValueError when it can never be served."""
+        """Queues a request (with `lora_request`, under that adapter: paged_jax/lora); raises
+        ValueError when it can never be served."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         req = inp.make_request(request_id, prompt, params or SamplingParams(), self.tokenizer,
@@ -161,9 +164,23 @@ class Engine:
                                arrival_time if arrival_time is not None else time.time())
         if req.params.structured_outputs is not None:
             self.constraints.attach(req)  # ValueError when it is invalid
+        if lora_request is not None:
+            if self.config.lora is None:
+                raise ValueError("lora_request needs an engine built with enable_lora=True")
+            self.runner.adapters.check(lora_request)  # read now: a bad adapter fails here
+            req.lora = lora_request
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
+
+    def _place_adapters(self, plan: Plan) -> None:
+        """The adapters of the plan's requests into device slots (lora/manager.py); the
+        runner's params re-read when a slot or a row's adapter changed."""
+        rows = [(s.slot, s.owner.lora) for seq, _ in plan.chunks for s in seq.owner.seqs
+                if s.slot >= 0]
+        if self.runner.adapters.place(rows):
+            self.runner.params = {**self.runner.params,
+                                  "lora": self.runner.adapters.device_tree()}
 
     def abort(self, request_id: str) -> None:
         """Drops a request wherever it is and frees everything it holds."""
@@ -209,6 +226,8 @@ class Engine:
         if plan.empty:
             self.kv.forget(plan.sent)
             return None
+        if self.config.lora is not None:  # every row's adapter in a device slot first
+            self._place_adapters(plan)
         pending = self.runner.dispatch(plan)
         self.scheduler.sent(plan, [c for _, cs in pending.call.forks for c in cs])
         return pending

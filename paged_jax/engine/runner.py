@@ -47,6 +47,7 @@ from paged_jax.engine.state import EngineState, StepConfig
 from paged_jax.engine.step import run_step
 from paged_jax.engine.verify import run_verify
 from paged_jax.engine.window import decode_window
+from paged_jax.lora.manager import AdapterManager
 from paged_jax.models import ModelConfig, Params, parallel
 from paged_jax.models.attention import default_backend
 from paged_jax.models.llama import pack_params, prepare_params, quantize_params
@@ -228,6 +229,9 @@ class Runner:
             books = pages = parallel.devices(1, ec.first_device)[0]
             params = self._lay_out(params, books)
         self.params, cc = params, ec.cache
+        if ec.lora is not None:  # adapter slots, placed per step by the engine (lora/manager.py)
+            self.adapters = AdapterManager(model, ec.lora, cc.max_seqs, books)
+            self.params = {**params, "lora": self.adapters.device_tree()}
         groups = ec.kv_groups  # sliding-window layers' own page tables (cache/groups.py)
         self.block_bytes = kv_lib.kv_cache_bytes(groups.num_buffers if groups else model.num_layers,
                                                  kv_heads, cc.block_size, model.head_dim,

@@ -12,10 +12,9 @@ up with its total tokens. Each step has a budget of `max_num_batched_tokens` tok
      groups a chunk's columns are taken in every group until the step's slide frees the old
      ones, so a long prompt's last chunk in a nearly full pool needs more than it will hold);
   3. waiting requests are admitted first come first served (preempted ones at the front) while
-     slots, budget and blocks allow; the first that does not fit stops admission. With prefix
-     caching, a request starts at its longest cached prefix: hit blocks cost no new blocks
-     (only cached-free ones reduce the free count), and `admission="cache-aware"` admits the
-     longest cached prefix first, no request passed over more than `max_skips` times.
+     slots, budget, blocks and LoRA adapter slots allow; the first that does not fit stops
+     admission. With prefix caching a request starts at its longest cached prefix (only
+     cached-free hit blocks cost free ones); "cache-aware" admission (engine/admission.py).
   4. only blocks the device has confirmed free count: a release queued for the next call
      (finish, abort, preemption) gives its blocks back when that call's output says so. A
      sequence whose blocks only a queued release can give waits one step.
@@ -70,6 +69,7 @@ class SchedulerConfig:
     async_scheduling: bool = False  # steps are planned one ahead: no decode windows
     long_prefill_token_threshold: int = 0  # most tokens of one prefill chunk; 0 = no cap
     speculative: SpeculativeConfig | None = None  # drafts for decode-only plans
+    max_loras: int = 0  # distinct LoRA adapters among running requests (paged_jax/lora)
 
 
 class Scheduler:
@@ -272,7 +272,8 @@ class Scheduler:
         budget and free blocks left, or None (admission stops here)."""
         first = req.live_seqs()[0] if req.forked else req.seqs[0]
         seqs = req.live_seqs() if req.forked else [req.seqs[0]]
-        if not (self.kv.can_allocate(req.seqs) and self.kv.settled(req)
+        if not (self.kv.can_allocate(req.seqs) and self.kv.settled(req) and admission.adapter_fits(
+                req, self.running, self.config.max_loras)
                 and self.policy.admits(req, self.running, self.waiting)):
             return None
         hit = self.kv.try_hit(req)

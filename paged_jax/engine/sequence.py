@@ -85,6 +85,13 @@ class Sequence:
         most = self.owner.params.max_tokens
         return most is not None and self.length - self.prompt_len >= most
 
+    @property
+    def hash_salt(self) -> tuple | None:
+        """What its prefix-cache hash chain starts from: its adapter's id (a hit never
+        crosses adapters: the same tokens hold other K/V under another adapter)."""
+        lora = self.owner.lora if self.owner is not None else None
+        return None if lora is None else ("lora", lora.lora_int_id)
+
     def wants_hidden(self, n: int) -> bool:
         """Whether computing its next n tokens ends its request's first prefill and the
         request asked for the prompt's hidden state (a recompute after preemption does not
@@ -121,6 +128,7 @@ class Request:
     prompt_logprobs: list | None = None
     hidden_states: np.ndarray | None = None  # SamplingParams.return_hidden_states
     num_preemptions: int = 0  # times preempted (vLLM's num_preemptions)
+    lora: object = None  # its LoRARequest (paged_jax/lora), None: the base model
 
     def __post_init__(self) -> None:
         if self.metrics is None:

@@ -102,6 +102,8 @@ def forward_rows(
     args = (batch.token_ids, batch.positions, cache_pos, tables, seq_lens, batch.query_start)
     kw = dict(max_q=shape.max_q, backend=cfg.backend, max_q_rows=shape.max_q_rows,
               decode_pages=shape.decode_pages, all_logits=every, with_hidden=shape.hidden)
+    if shape.lora:
+        kw["lora_slots"] = token_adapters(params["lora"]["kv_slot"], batch)
     logits, cache = parallel.sharded_forward(  # plain `forward` without a mesh
         cfg.mesh, forward, cfg.model, params, state.cache, *args, **kw)
     logits, hidden = logits if shape.hidden else (logits, _no_hidden(batch.row_slots.shape[0]))
@@ -109,6 +111,13 @@ def forward_rows(
         return logits, cache, smp.PromptLogprobs.empty(), hidden
     prompt = smp.prompt_logprobs(logits, batch.next_ids, shape.prompt_top)
     return logits[jnp.clip(batch.query_start[1:] - 1, 0)], cache, prompt, hidden
+
+
+def token_adapters(kv_slot: Int[Array, "S"], batch: StepBatch) -> Int[Array, "T"]:
+    """Each token's adapter slot (-1: none, and for padding): its row's KV slot's."""
+    slot = batch.row_slots[jnp.clip(batch.token_rows, 0)]
+    live = (batch.token_rows >= 0) & (slot >= 0)
+    return jnp.where(live, kv_slot[jnp.clip(slot, 0)], -1)
 
 
 def _no_hidden(rows: int) -> Float[Array, "R 0"]:

@@ -133,6 +133,7 @@ class StepShape:
       verify: K + 1, the most tokens a row verifies (speculative decoding, engine/verify.py:
         every token's logits are kept and sampled); 0 for every other step.
       draft_q: with a draft model, the most catch-up tokens of any row (engine/draft.py).
+      lora: some row runs a LoRA adapter: the forward adds the adapters' deltas.
     """
 
     max_q: int = 1
@@ -147,3 +148,4 @@ class StepShape:
     full_width: int = 0
     verify: int = 0
     draft_q: int = 0
+    lora: bool = False

@@ -108,6 +108,10 @@ def plan(level: str, ec, backend: str, shares_blocks: bool) -> list[Item]:
         items += list(_steps(ec, backend, shares_blocks, flags))
         if ec.decode_window > 1 and not ec.async_scheduling:
             items += list(_windows(ec, backend, shares_blocks, flags))
+    if ec.lora is not None:  # calls with adapter rows are programs of their own (batch.py)
+        lora = [dataclasses.replace(i, shape=dataclasses.replace(i.shape, lora=True))
+                for i in items if i.shape is not None]
+        items = [i for i in items if i.shape is None or not ec.static_shapes] + lora
     return items
 
 

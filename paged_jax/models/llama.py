@@ -59,6 +59,8 @@ from paged_jax.models import moe
 from paged_jax.models import parallel as tp_lib
 from paged_jax.models.attention import paged_attention
 from paged_jax.models.config import ModelConfig
+from paged_jax.models.lora_ops import lora_delta
+from paged_jax.models.lora_ops import plan as lora_plan
 from paged_jax.models.param_forms import (  # noqa: F401 (the forms' functions, re-exported)
     EXPERTS,
     FUSED,
@@ -110,10 +112,10 @@ def attention_block(
     projection's partial sums are added over the mesh.
     """
     tp = attn.pop("tp", False)
-    positions, cache_pos, block_tables, seq_lens, query_start = batch
+    positions, cache_pos, block_tables, seq_lens, query_start = batch[:5]
     t, d = x.shape[0], config.head_dim
     nq, nk = config.num_heads * d, config.num_kv_heads * d
-    qkv = linear(x, p["w_qkv"])
+    qkv = with_lora(linear(x, p["w_qkv"]), x, p, "lora_qkv", batch)
     if "b_qkv" in p:
         qkv = qkv + p["b_qkv"]
     q = qkv[:, :nq].reshape(t, config.num_heads, d)
@@ -133,10 +135,21 @@ def attention_block(
         o = paged_attention(q, *kv, block_tables, seq_lens, query_start, **attn)
     if spin is not None:
         o = o @ spin.T.astype(o.dtype)
-    o = linear(o.reshape(t, -1).astype(x.dtype), p["wo"])
+    o = o.reshape(t, -1).astype(x.dtype)
+    o = with_lora(linear(o, p["wo"]), o, p, "lora_o", batch)
     if tp:
         o = jax.lax.psum(o, tp_lib.AXIS)
     return (o + p["bo"] if "bo" in p else o), kv
+
+
+def with_lora(y: Float[Array, "T O"], x: Float[Array, "T I"], p: Params, name: str,
+              batch: tuple) -> Float[Array, "T O"]:
+    """y plus each token's adapter delta of projection `name` (models/lora_ops.py) when the
+    batch carries adapter slots (its 6th entry: their lora_ops.Plan) and the layer has them."""
+    if len(batch) < 6 or batch[5] is None or name not in p:
+        return y
+    with jax.named_scope("lora"):
+        return y + lora_delta(x, *p[name], batch[5])
 
 
 def _qk_norm(x: Float[Array, "T X D"], w: Array, eps: float, whole: bool) -> Array:
@@ -145,23 +158,27 @@ def _qk_norm(x: Float[Array, "T X D"], w: Array, eps: float, whole: bool) -> Arr
     return rms_norm(x, w, eps)
 
 
-def gated_mlp(x: Float[Array, "T E"], gate_up, down, act: str = "silu") -> Float[Array, "T E"]:
+def gated_mlp(x: Float[Array, "T E"], gate_up, down, act: str = "silu",
+              lora: tuple = (None, ())) -> Float[Array, "T E"]:
     """down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (tanh-approximated gelu, Gemma's
-    gelu_pytorch_tanh)."""
-    gate, up = jnp.split(linear(x, gate_up), 2, axis=-1)
+    gelu_pytorch_tanh). `lora`: (the layer's params, the batch) to add adapter deltas."""
+    p, batch = lora
+    lin = (lambda y, w, name: linear(y, w)) if p is None else (  # noqa: E731
+        lambda y, w, name: with_lora(linear(y, w), y, p, name, batch))
+    gate, up = jnp.split(lin(x, gate_up, "lora_gate_up"), 2, axis=-1)
     with jax.named_scope("activation"):
         hidden = (jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, True)) * up
-    return linear(hidden, down)
+    return lin(hidden, down, "lora_down")
 
 
 def mlp_block(p: Params, x: Float[Array, "T E"], config: ModelConfig, valid: Array,
-              tp: bool = False) -> tuple[Float[Array, "T E"], Array | None]:
+              tp: bool = False, batch: tuple = ()) -> tuple[Float[Array, "T E"], Array | None]:
     """The layer's MLP, dense or mixture of experts (with its expert load; models/moe.py),
     plus a shared expert where the model has one. `tp`: this device's slice of F (of the
-    experts); partial sums added over the mesh."""
+    experts); partial sums added over the mesh. `batch`: adapter slots (with_lora)."""
     load = None
     if not config.is_moe:
-        out = gated_mlp(x, p["w_gate_up"], p["w_down"], config.hidden_act)
+        out = gated_mlp(x, p["w_gate_up"], p["w_down"], config.hidden_act, (p, batch))
     else:
         out, load = moe.moe_block(p, x, config, valid, tp)
     if "s_gate_up" in p:
@@ -187,7 +204,7 @@ def decoder_layer(
         a = rms_norm(a, p["post_attn_norm"], eps)
     x = x + a
     m, load = mlp_block(p, rms_norm(x, p["mlp_norm"], eps), config, batch[1] >= 0,
-                        dict(attn).get("tp", False))
+                        dict(attn).get("tp", False), batch)
     if config.sandwich_norm:
         m = rms_norm(m, p["post_mlp_norm"], eps)
     return x + m, kv, load
@@ -215,6 +232,7 @@ def forward(
     tp: bool = False,
     with_hidden: bool = False,
     router_load: bool = False,
+    lora_slots: Int[Array, "T"] | None = None,
 ) -> tuple[Logits | tuple, KVCache]:
     """One decoder pass over a ragged batch (semantics of `paged_jax.models.attention`).
 
@@ -236,6 +254,8 @@ def forward(
       with_hidden: also return each sequence's last-token hidden state (after the final
         norm, fp32 [S, E]): the vector its first output token's logits come from.
       router_load: (MoE) also return the tokens each layer sent to each expert, [L, X].
+      lora_slots: [T] each token's adapter slot in params["lora"]["layers"] (lora/weights.py),
+        -1 for the base model; None: no adapter in the batch (no delta is computed).
 
     Returns:
       (logits fp32 [S, V] at token query_start[s+1] - 1, or [T, V] if all_logits; cache'),
@@ -248,7 +268,7 @@ def forward(
     rot = rope_tables(positions, jnp.asarray(inv_frequencies(config)))
     rot_local = rot if config.rope_local_theta is None else rope_tables(
         positions, jnp.asarray(inv_frequencies(config, local=True)))
-    batch = (positions, cache_positions, block_tables, seq_lens, query_start)
+    batch = (positions, cache_positions, block_tables, seq_lens, query_start, lora_slots)
     attn = (("max_q", max_q), ("backend", backend), ("max_q_rows", max_q_rows),
             ("decode_pages", decode_pages), ("scale", config.query_scale), ("tp", tp))
     x, layers, loads = _layers(params, x, cache, batch, (rot, rot_local), config, attn)
@@ -263,15 +283,19 @@ def _layers(params: Params, x: Float[Array, "T E"], cache: KVCache, batch: tuple
     """Every decoder layer in turn: (x, each buffer's (K, V) pages, each layer's expert load).
     `rots`: the (cos, sin) of full and of sliding-window layers. `batch` holds every KV
     cache group's cache positions and block tables; a layer gets its group's."""
-    positions, cache_pos, tables, seq_lens, query_start = batch
+    positions, cache_pos, tables, seq_lens, query_start, slots = batch
     if tables.ndim == 2:  # one group
         tables, cache_pos = tables[None], cache_pos[None]
     bufs = [cache.buffer(b) for b in range(cache.num_layers)]
-    loads = []
+    loads, adapters = [], params["lora"]["layers"] if slots is not None else None
+    if adapters is not None:  # tokens sorted by adapter once for every projection
+        slots = lora_plan(slots, adapters[0]["lora_qkv"][0].shape[0])
     for i, p in enumerate(runtime_layers(params)):
         window, g = config.window(i), cache.group_of(i)
         b = cache.layer_buffer[i] if cache.layer_buffer else i
         mine = (positions, cache_pos[g], tables[g], seq_lens, query_start)
+        if adapters is not None:  # this layer's adapter slots beside its weights
+            p, mine = {**p, **adapters[i]}, (*mine, slots)
         x, bufs[b], load = decoder_layer(p, x, bufs[b], mine, rots[window is not None],
                                          config=config, attn=(*attn, ("window", window)))
         loads.append(load)

@@ -30,6 +30,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from paged_jax.llm import LLM
+from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.routing.router import RoutedLLM
 from paged_jax.serve import protocol as proto
@@ -42,12 +43,15 @@ from paged_jax.serve.routed import AUTO, submit_all
 
 @dataclasses.dataclass
 class Served:
-    """One served model: its LLM, its name, its engine thread and its metrics."""
+    """One served model: its LLM, its name, its engine thread and its metrics; a LoRA
+    adapter served by name shares its base model's and has `lora`."""
 
     llm: LLM
     name: str
     engine: AsyncEngine
     metrics: ServerMetrics
+    lora: LoRARequest | None = None
+    parent: str | None = None  # an adapter's base model
 
     @property
     def tok(self):
@@ -56,13 +60,14 @@ class Served:
 
 def build_app(llm: LLM | RoutedLLM, model_name: str | None = None,
               max_pending: int = 256, plan_eagerly: bool = False, warmup: str = "none",
-              on_warm=None) -> FastAPI:
+              on_warm=None, lora_modules: dict[str, str] | None = None) -> FastAPI:
     """The app serving `llm` as `model_name`; or, given a RoutedLLM, its two models under
     their names (`router.names`) and "auto" (each request routed by the router's head).
     Engine threads stop with the app; `plan_eagerly` as in AsyncEngine. `warmup`: the level
     each engine builds its programs at before its first step (engine/warmup.py; /health
     answers 503 "warming" until all are built), `on_warm(model, phase, done, total)` its
-    progress."""
+    progress. `lora_modules`: adapter name -> PEFT folder, each served as a model of its own
+    on `llm` (needs enable_lora; vLLM's --lora-modules)."""
     router_ = llm if isinstance(llm, RoutedLLM) else None
     if router_ and (len(set(router_.names)) < 2 or AUTO in router_.names):
         raise ValueError(f'a routed server needs two model names other than "{AUTO}", got '
@@ -72,18 +77,38 @@ def build_app(llm: LLM | RoutedLLM, model_name: str | None = None,
     metrics = ServerMetrics(model_name or AUTO)
     models = {name: _served(m, name, max_pending, metrics, plan_eagerly, warmup, on_warm)
               for name, m in pairs}
+    models |= adapters(models, lora_modules or {}, router_ is None)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
-        for srv in models.values():
-            srv.engine.shutdown()
+        for engine in {id(s.engine): s.engine for s in models.values()}.values():
+            engine.shutdown()
 
     app = FastAPI(title="paged-jax", lifespan=lifespan)
     app.state.models, app.state.router, app.state.metrics = models, router_, metrics
     app.add_exception_handler(proto.BadRequest, _bad_request)
     app.include_router(router)
     return app
+
+
+def adapters(models: dict[str, Served], lora_modules: dict[str, str],
+             one_model: bool) -> dict[str, Served]:
+    """Each adapter as a served model on the (one) base model's engine, checked now: a bad
+    folder fails at start, not at the first request."""
+    if not lora_modules:
+        return {}
+    base = next(iter(models.values()))
+    if not one_model or base.llm.engine_config.lora is None:
+        raise ValueError("lora_modules need one model served with enable_lora=True")
+    out = {}
+    for i, (name, path) in enumerate(lora_modules.items(), start=1):
+        if name in models or name == AUTO:
+            raise ValueError(f"adapter name {name!r} is taken by a served model")
+        lora = LoRARequest(name, i, str(path))
+        base.llm.llm_engine.runner.adapters.check(lora)
+        out[name] = dataclasses.replace(base, name=name, lora=lora, parent=base.name)
+    return out
 
 
 def _served(llm: LLM, name: str, max_pending: int, metrics: ServerMetrics,
@@ -134,8 +159,15 @@ async def models(request: Request) -> dict:
     longest = max(m.llm.engine_config.max_model_len for m in served.values())
     return {"object": "list", "data": [{
         "id": n, "object": "model", "created": int(time.time()), "owned_by": "paged-jax",
-        "max_model_len": served[n].llm.engine_config.max_model_len if n in served else longest}
-        for n in names]}
+        "max_model_len": served[n].llm.engine_config.max_model_len if n in served else longest,
+        **_lineage(served.get(n))} for n in names]}
+
+
+def _lineage(srv: Served | None) -> dict:
+    """An adapter's base model and folder (vLLM's `parent` and `root`)."""
+    if srv is None or srv.lora is None:
+        return {}
+    return {"parent": srv.parent, "root": srv.lora.lora_path}
 
 
 @router.post("/v1/completions")
@@ -204,7 +236,7 @@ async def _submit(app, srv: Served | None, prompts: list, params, rid: str) -> l
                 app.state.router, weak, strong, prompts, params, ids,
                 on_route=lambda r: counter.labels(AUTO, r.model).inc())
         for p, i in zip(prompts, ids, strict=True):
-            streams.append(srv.engine.submit(p, params, i))
+            streams.append(srv.engine.submit(p, params, i, srv.lora))
             streams[-1].served = srv
         for s in streams:
             await s.peek()

@@ -135,10 +135,10 @@ class AsyncEngine:
             return len(self._streams)
 
     def submit(self, prompt: str | list[int] | dict, params: SamplingParams,
-               request_id: str | None = None) -> RequestStream:
-        """Queues a request for the engine thread (call from an event loop's thread); its
-        outputs arrive on the returned stream. The engine's refusal (prompt too long, ...)
-        arrives there too, as the stream's first item.
+               request_id: str | None = None, lora=None) -> RequestStream:
+        """Queues a request for the engine thread (call from an event loop's thread), under
+        LoRA adapter `lora` if given; its outputs arrive on the returned stream. The engine's
+        refusal (prompt too long, ...) arrives there too, as the stream's first item.
 
         Raises:
           QueueFull: `max_pending` requests are in the engine already.
@@ -156,7 +156,7 @@ class AsyncEngine:
                 raise ValueError(f"request_id {rid!r} is already in use")
             self._streams[rid] = stream
         # arrival is now, not when the engine thread next looks (after a step)
-        self._inbox.put(("add", rid, prompt, params, time.time()))
+        self._inbox.put(("add", rid, prompt, params, time.time(), lora))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -248,9 +248,10 @@ class AsyncEngine:
 
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, prompt, params, arrival = cmd
+            _, rid, prompt, params, arrival, lora = cmd
             try:
-                self.engine.add_request(rid, prompt, params, arrival_time=arrival)
+                self.engine.add_request(rid, prompt, params, arrival_time=arrival,
+                                        lora_request=lora)
             except Exception as e:  # noqa: BLE001 - the caller gets the engine's own error
                 self._deliver(rid, e)
         elif cmd[0] == "abort":

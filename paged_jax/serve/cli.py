@@ -76,6 +76,15 @@ def _server_flags(ap: argparse.ArgumentParser) -> None:
                     help="the answer head's folder (default: the head shipped for MODEL and "
                          "--strong-model, e.g. qwen2.5-coder-0.5b and qwen2.5-coder-1.5b); "
                          "the prompt head is its sibling prompt_head")
+    ap.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                    help="LoRA adapters (PEFT folders) served as models of their own: a "
+                         "request's `model` names one (turns --enable-lora on)")
+    ap.add_argument("--enable-lora", action="store_true",
+                    help="let requests run LoRA adapters (paged_jax/lora)")
+    ap.add_argument("--max-loras", type=int, default=1,
+                    help="distinct adapters in one batch (device slots)")
+    ap.add_argument("--max-lora-rank", type=int, default=16)
+    ap.add_argument("--max-cpu-loras", type=int, default=None)
     ap.add_argument("--prompt-head", default=None,
                     help="the prompt head's folder, read by the prompt and cascade_routing "
                          "policies (default: prompt_head beside the answer head)")
@@ -115,11 +124,15 @@ def main(argv: list[str] | None = None) -> None:
               kv_cache_dtype=a.kv_cache_dtype, async_scheduling=a.async_scheduling,
               long_prefill_token_threshold=a.long_prefill_token_threshold,
               quantization=a.quantization, speculative_config=a.speculative_config,
-              hybrid_kv_cache=HYBRID[a.hybrid_kv_cache])
+              hybrid_kv_cache=HYBRID[a.hybrid_kv_cache],
+              enable_lora=a.enable_lora or bool(a.lora_modules), max_loras=a.max_loras,
+              max_lora_rank=a.max_lora_rank, max_cpu_loras=a.max_cpu_loras)
     name = a.served_model_name or default_name(a.model)
+    if a.lora_modules and a.strong_model is not None:
+        raise SystemExit("--lora-modules serves adapters of one model, not beside --strong-model")
     if a.strong_model is None:
         app = build_app(LLM(a.model, **kw), name, a.max_pending, a.plan_eagerly, a.warmup,
-                        WarmupLog())
+                        WarmupLog(), lora_modules(a.lora_modules))
     else:
         from paged_jax.routing.head import load, pair_folder
         from paged_jax.routing.router import RoutedLLM
@@ -137,6 +150,17 @@ def main(argv: list[str] | None = None) -> None:
         name = f"{names[0]}, {names[1]} and auto"
     print(f"serving {name} on http://{a.host}:{a.port}/v1", flush=True)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+
+
+def lora_modules(pairs: list[str]) -> dict[str, str]:
+    """--lora-modules NAME=PATH ... as a dict; a pair without "=" is refused by name."""
+    out = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--lora-modules: expected NAME=PATH, got {pair!r}")
+        out[name] = path
+    return out
 
 
 def prompt_folder(a, answer_head: Path) -> Path:

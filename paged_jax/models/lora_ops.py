@@ -1,0 +1,109 @@
+"""The batched LoRA delta: rows of different adapters in one matmul pass (Punica's shrink /
+expand over a batch that mixes adapters).
+
+Every adapter sits in a slot of stacked weights: `a` [N, k*R, I] (the k targets of one fused
+projection side by side: q|k|v, or gate|up) and `b`, one [N, O_i, R] per target, the scale
+already folded in (lora/weights.py). A token's delta for slot j is, per target i,
+
+    (x @ a[j, i*R:(i+1)*R].T) @ b_i[j].T          the "shrink" to R, then the "expand" to O_i
+
+and the k expands are laid side by side like the fused projection's output. Tokens of no
+adapter (slot -1) get zeros.
+
+    grouped    (the engine's) tokens sorted by slot; each slot runs its own rows in tiles of
+               `tile` rows, as many tiles as it got, all in one loop whose trip count is the
+               batch's tiles (data-dependent, so no recompilation as the mix of adapters
+               changes). Work: the tokens times the rank, plus at most one partial tile per
+               adapter in the batch; each adapter's weights read once per tile, in place.
+    reference  each token's slot weights gathered, one einsum: the tokens times the rank too,
+               but the gathered copies cost [T, R, I] of memory (what tests compare against).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from paged_jax.types import Array, Float, Int
+
+
+def _dot(x: Array, w: Array) -> Array:
+    """x @ w.T for an [out, in] w, accumulated in float32."""
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+def _expand(h: Float[Array, "M kR"], bs: tuple[Array, ...]) -> Float[Array, "M O"]:
+    r = bs[0].shape[-1]
+    return jnp.concatenate([_dot(h[:, i * r:(i + 1) * r].astype(b.dtype), b)
+                            for i, b in enumerate(bs)], axis=1)
+
+
+def tile_rows(tokens: int, num_slots: int) -> int:
+    """Rows per tile: every token of a decode step in one tile per adapter (the loop's
+    iterations, not the tiny dots, are what cost on XLA:CPU), at most 32 for prefill chunks."""
+    return int(min(32, max(8, 1 << (tokens - 1).bit_length())))
+
+
+class Plan(NamedTuple):
+    """Where each slot's tokens lie once sorted (the same for every projection of a step,
+    so computed once per forward): `order` [T] sorts the tokens by slot, `inverse` [T] puts
+    them back; per slot its token count, first sorted row, tiles and the running total of
+    tiles."""
+
+    order: Int[Array, "T"]
+    inverse: Int[Array, "T"]
+    sizes: Int[Array, "N"]
+    starts: Int[Array, "N"]
+    tiles: Int[Array, "N"]
+    ends: Int[Array, "N"]
+
+
+def plan(slots: Int[Array, "T"], num_slots: int) -> Plan:
+    """The grouped delta's plan for tokens of `slots` (-1: no adapter, never computed), in
+    tiles of tile_rows(T, N) rows (a function of the shapes: static)."""
+    group = jnp.where(slots >= 0, slots, num_slots)
+    order = jnp.argsort(group, stable=True).astype(jnp.int32)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+    sizes = jnp.bincount(group, length=num_slots + 1)[:num_slots]
+    m = tile_rows(slots.shape[0], num_slots)
+    tiles = (sizes + m - 1) // m
+    return Plan(order, inverse, sizes, jnp.cumsum(sizes) - sizes, tiles, jnp.cumsum(tiles))
+
+
+def lora_delta(x: Float[Array, "T I"], a: Float[Array, "N kR I"], bs: tuple[Array, ...],
+               slots: Int[Array, "T"] | Plan) -> Float[Array, "T O"]:
+    """The grouped delta of each token's adapter (module docstring), in x's dtype, computed
+    in the slots' dtype; `slots` may be given as their `plan` (once for a step's
+    projections)."""
+    p = slots if isinstance(slots, Plan) else plan(slots, a.shape[0])
+    (t, width), m = x.shape, tile_rows(x.shape[0], a.shape[0])
+    rows = jnp.concatenate([x[p.order].astype(a.dtype), jnp.zeros((m, width), a.dtype)])
+    width_out = sum(b.shape[1] for b in bs)
+
+    def one_tile(k, out):
+        j = jnp.searchsorted(p.ends, k, side="right")  # the slot whose tiles hold tile k
+        i = k - (p.ends[j] - p.tiles[j])
+        at = p.starts[j] + i * m
+        h = _dot(jax.lax.dynamic_slice_in_dim(rows, at, m), a[j])
+        # rows past this slot's belong to a later tile (tiles run in sorted order), which
+        # overwrites them: no read of `out`, so the loop updates it in place
+        return jax.lax.dynamic_update_slice_in_dim(out, _expand(h, tuple(b[j] for b in bs)),
+                                                   at, 0)
+
+    out = jax.lax.fori_loop(0, p.ends[-1], one_tile, jnp.zeros((t + m, width_out), jnp.float32))
+    done = jnp.arange(t) < p.sizes.sum()  # sorted rows of no adapter: never written
+    return jnp.where(done[:, None], out[:t], 0.0)[p.inverse].astype(x.dtype)
+
+
+def lora_delta_reference(x: Float[Array, "T I"], a: Float[Array, "N kR I"],
+                         bs: tuple[Array, ...], slots: Int[Array, "T"]) -> Float[Array, "T O"]:
+    """Each token's slot weights gathered (slot -1: zeros), then one einsum per side."""
+    j = jnp.clip(slots, 0)
+    h = jnp.einsum("ti,tri->tr", x.astype(jnp.float32), a[j].astype(jnp.float32))
+    r = bs[0].shape[-1]
+    y = jnp.concatenate([jnp.einsum("tr,tor->to", h[:, i * r:(i + 1) * r],
+                                    b[j].astype(jnp.float32)) for i, b in enumerate(bs)], 1)
+    return jnp.where((slots >= 0)[:, None], y, 0.0).astype(x.dtype)
