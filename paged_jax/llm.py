@@ -171,8 +171,7 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size,
             static_shapes=static_shapes, speculative=speculative,
             async_scheduling=async_scheduling,
-            long_prefill_token_threshold=long_prefill_token_threshold, kv_groups=groups,
-            lora=lora)
+            long_prefill_token_threshold=long_prefill_token_threshold, kv_groups=groups, lora=lora)
         self.replicas = [Engine(config, params, tok, dataclasses.replace(
             self.engine_config, first_device=i * tensor_parallel_size), draft=draft)
             for i in range(data_parallel_size)]

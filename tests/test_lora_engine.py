@@ -135,3 +135,32 @@ def test_bad_lora_requests_are_refused_with_their_reason(tiny, tmp_path):
                         lora_request=LoRARequest("missing", 9, str(tmp_path)))
     with pytest.raises(ValueError, match="positive"):
         LoRARequest("zero", 0, str(tmp_path))
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_and_forked_requests_keep_their_adapter(tiny, alone, mode):
+    """A pool too small for the batch preempts (recompute or swap) requests of different
+    adapters, and n = 2 forks children: every sequence still gets its own adapter's tokens."""
+    eng = lora_engine(tiny, num_kv_blocks=9, preemption_mode=mode)
+    reqs = [r for r in mixed(tiny[3]) if r[0].startswith(("p0-", "p3-"))]
+    got = serve(eng, reqs)
+    assert eng.scheduler.num_preempted > 0, "the pool was big enough: nothing was preempted"
+    assert {rid: t for rid, (t, _) in got.items()} == {rid: alone[rid] for rid, *_ in reqs}
+    # n = 2, seeded: both children run the adapter, alone or beside other adapters' rows
+    two = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=6, ignore_eos=True,
+                         detokenize=False)
+
+    def children(others: list[tuple], lora) -> list[list[int]]:
+        eng = lora_engine(tiny)
+        for rid, ids, other in others:
+            eng.add_request(rid, {"prompt_token_ids": ids}, GREEDY, lora_request=other)
+        eng.add_request("n2", {"prompt_token_ids": PROMPTS[1]}, two, lora_request=lora)
+        while eng.has_unfinished():
+            for out in eng.step():
+                if out.request_id == "n2" and out.finished:
+                    found = [c.token_ids for c in out.outputs]
+        return found
+
+    mine = children([], tiny[3][2])
+    assert children(mixed(tiny[3][:2])[:6], tiny[3][2]) == mine
+    assert children([], None) != mine, "the children ran the base model"

@@ -51,6 +51,7 @@ LAYERS = {
     "paged_jax.models": 2, "paged_jax.sample": 2,
     "paged_jax.lora": 2.5,  # adapters: read into the models' slots, placed by the engine
     "paged_jax.engine": 3, "paged_jax.precision": 3,
+    "paged_jax.llm_setup": 3.5,  # what LLM() does before building its engines
     "paged_jax.study": 4, "paged_jax.llm": 4,
     "paged_jax.generate": 5, "paged_jax.distributed": 5, "paged_jax.routing": 5,
     "paged_jax.serve": 6,

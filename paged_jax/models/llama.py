@@ -238,24 +238,21 @@ def forward(
 
     Args:
       params: the model pytree, either form (module docstring); its dtype is the compute dtype.
-      cache: KV pages, one [H, N, K, D] pair per layer; this step's K/V are written at
-        `cache_positions`.
+      cache: KV pages, one [H, N, K, D] pair per layer; this step's K/V go to cache_positions.
       token_ids, positions, cache_positions: [T] per token; padding tokens have cache position < 0.
-      block_tables, seq_lens, query_start: the paging of the S sequences (attention.py).
-        With KV cache groups (cache/groups.py), cache_positions [G, T] and block_tables
-        [G, S, P]: layer i reads group `cache.group_of(i)`'s.
+      block_tables, seq_lens, query_start: the paging of the S sequences (attention.py); with
+        KV cache groups (cache/groups.py) cache_positions [G, T], block_tables [G, S, P].
       config: static model config.
       max_q: static bound on queries per sequence (1 for decode).
       backend: paged-attention backend (models/attention.py's BACKENDS).
       all_logits: return logits for every token instead of each sequence's last one.
       max_q_rows, decode_pages: static hints of `paged_jax.models.attention.paged_attention`.
-      tp: one device's share under tensor parallelism (inside `parallel.shard_forward`;
-        `config` is then `parallel.local_config`): params and cache are this device's.
-      with_hidden: also return each sequence's last-token hidden state (after the final
-        norm, fp32 [S, E]): the vector its first output token's logits come from.
+      tp: one device's share of params and cache (in `parallel.shard_forward`, local config).
+      with_hidden: also return each sequence's last-token hidden state (final-normed, fp32
+        [S, E]).
       router_load: (MoE) also return the tokens each layer sent to each expert, [L, X].
-      lora_slots: [T] each token's adapter slot in params["lora"]["layers"] (lora/weights.py),
-        -1 for the base model; None: no adapter in the batch (no delta is computed).
+      lora_slots: [T] each token's adapter slot in params["lora"]["layers"] (lora/weights.py;
+        -1: none); None: no adapter in the batch, no delta computed.
 
     Returns:
       (logits fp32 [S, V] at token query_start[s+1] - 1, or [T, V] if all_logits; cache'),
