@@ -151,6 +151,20 @@ def rotated(names: list, r: int) -> list:
     return names[k:] + names[:k]
 
 
+def alternated(sides: dict, rounds: int, work: float) -> dict[str, list[float]]:
+    """Each side (a name -> a call) run once per round, `rounds` rounds in `rotated` order:
+    per side, `work` units (tokens, say) per second of each run."""
+    import time
+
+    runs: dict[str, list[float]] = {name: [] for name in sides}
+    for r in range(rounds):
+        for name in rotated(list(sides), r):
+            t0 = time.perf_counter()
+            sides[name]()
+            runs[name].append(work / (time.perf_counter() - t0))
+    return runs
+
+
 # ---- verdicts that can fail: the project's one rule ---------------------------------------
 # Sides alternate in paired rounds (MIN_ROUNDS or more where a run takes under 10 minutes); a
 # bar is "met" only when the worst round clears it, "not met" when the best round misses it,

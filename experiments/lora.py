@@ -24,10 +24,10 @@ Writes results/lora.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -92,12 +92,9 @@ def throughput(llm, loras: list, batch: int, tokens: int, rounds: int) -> dict:
     sides |= {f"{k} adapters": (ps, [loras[i % k] for i in range(batch)]) for k in ADAPTERS}
     passes = warm(llm, sides, sp)
     built = compiles().count
-    runs: dict[str, list[float]] = {name: [] for name in sides}
-    for r in range(rounds):
-        for name in common.rotated(list(sides), r):
-            t0 = time.perf_counter()
-            llm.generate(sides[name][0], sp, use_tqdm=False, lora_request=sides[name][1])
-            runs[name].append(batch * tokens / (time.perf_counter() - t0))
+    runs = common.alternated({name: functools.partial(
+        llm.generate, ps, sp, use_tqdm=False, lora_request=loras) for name, (ps, loras)
+        in sides.items()}, rounds, batch * tokens)
     ratios = {name: common.round_ratios(v, runs["base"]) for name, v in runs.items()
               if name != "base"}
     return dict(batch=batch, tokens=tokens, rounds=rounds, warm_up_passes=passes,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import time
@@ -83,12 +84,9 @@ def decode(rounds: int, batch: int, tokens: int) -> dict:
     ids = {impl: [o.outputs[0].token_ids for o in out] for impl, out in outs.items()}
     passes = warm(llms, prompts, sp)
     built = compiles().count
-    runs: dict[str, list[float]] = {impl: [] for impl in IMPLS}
-    for r in range(rounds):
-        for impl in common.rotated(list(IMPLS), r):
-            t0 = time.perf_counter()
-            llms[impl].generate(prompts, sp, use_tqdm=False)
-            runs[impl].append(batch * tokens / (time.perf_counter() - t0))
+    runs = common.alternated({impl: functools.partial(
+        llms[impl].generate, prompts, sp, use_tqdm=False) for impl in IMPLS}, rounds,
+        batch * tokens)
     speedups = [g / d for g, d in zip(runs["grouped"], runs["dense"], strict=True)]
     bar = SHAPE["num_experts"] / SHAPE["num_experts_per_tok"] / 2
     return dict(batch=batch, tokens=tokens, rounds=rounds, warm_up_passes=passes,
