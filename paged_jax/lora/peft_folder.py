@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file
 
 from paged_jax.models.config import ModelConfig
 
@@ -65,6 +64,9 @@ def read_config(folder: Path, max_rank: int) -> tuple[int, float]:
 
 def load_peft(path: str | Path, config: ModelConfig, max_rank: int) -> Adapter:
     """The adapter at `path` for a model of `config` (module docstring)."""
+    from safetensors.numpy import load_file  # here: the engine imports this module, and the
+    # GPU machine's environment (make gpu-check) has no safetensors
+
     folder = Path(path)
     r, scale = read_config(folder, max_rank)
     tensors = load_file(folder / "adapter_model.safetensors")
