@@ -143,6 +143,12 @@ def _long_prompt(data: dict) -> None:
         row["itl_during_over_before"] = row["itl_during"] / row["itl_before"]
 
 
+def _routing(data: dict) -> None:
+    from experiments import routing
+
+    data["targets"] = routing.targets(data)
+
+
 def _gpu_check(data: dict) -> None:
     from experiments import gpu_check
 
@@ -152,9 +158,9 @@ def _gpu_check(data: dict) -> None:
 _TARGETS = {"speculative": _speculative, "speculative_draft": _speculative_draft,
             "structured_outputs": _structured, "structured_outputs_ttft": _structured,
             "moe": _moe, "weight_quantization": _weight_quantization,
-            "long_prompt": _long_prompt, "gpu_check": _gpu_check}
-FILES = ("async_scheduling", "bench", "gpu_check", "long_prompt", "moe", "speculative",
-         "speculative_draft", "structured_outputs", "structured_outputs_ttft",
+            "long_prompt": _long_prompt, "gpu_check": _gpu_check, "routing": _routing}
+FILES = ("async_scheduling", "bench", "gpu_check", "long_prompt", "moe", "routing",
+         "speculative", "speculative_draft", "structured_outputs", "structured_outputs_ttft",
          "weight_quantization")
 
 

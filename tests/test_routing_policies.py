@@ -151,3 +151,13 @@ def test_the_server_runs_the_prompt_policy_and_streams(pair):
             chunks = list(c.completions.create(model="auto", prompt=p, stream=True, **kw))
             assert "".join(ch.choices[0].text for ch in chunks) == expected[p][1]
             assert {ch.model for ch in chunks} == {expected[p][0]}
+
+
+def test_a_saving_is_judged_by_its_interval_not_its_point_estimate():
+    """30.8% against a 30% bar is not "met" when the interval reaches 19.9%."""
+    from experiments.routing import judged
+
+    assert judged(0.308, ">=", 0.30, [0.199, 0.376])["verdict"] == "not separable"
+    assert judged(0.35, ">=", 0.30, [0.31, 0.40])["verdict"] == "met"
+    assert judged(0.25, ">=", 0.30, [0.20, 0.29])["verdict"] == "not met"
+    assert judged(0.35, ">=", 0.30)["met"] and "verdict" not in judged(0.35, ">=", 0.30)
