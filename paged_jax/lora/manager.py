@@ -74,7 +74,6 @@ class AdapterManager:
             self.host.popitem(last=False)
         return values
 
-
     def place(self, rows: list[tuple[int, LoRARequest | None]]) -> bool:
         """Puts every adapter of `rows` (KV slot, adapter) in a device slot and records each
         KV slot's; True when `slots` or `kv_slot` changed (the runner re-reads them)."""

@@ -28,10 +28,6 @@ class Adapter:
     rank: int
     weights: dict[str, tuple[np.ndarray, np.ndarray]]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
-
 
 def shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) of each target module of `config`."""

@@ -42,18 +42,18 @@ def _host_layer(config: ModelConfig, n: int, rank: int, dtype) -> dict:
             for name, ts in FUSED.items()}
 
 
-def slot_values(config: ModelConfig, adapter: Adapter | None, rank: int,
-                dtype: DTypeLike) -> Slots:
-    """One slot's contents per layer (what `write` stores): the adapter's, or zeros."""
+def slot_values(config: ModelConfig, adapter: Adapter, rank: int, dtype: DTypeLike) -> Slots:
+    """One slot's contents per layer (what `write` stores): the adapter's, zeros where it has
+    no rank or no target."""
     layers = [_host_layer(config, 1, rank, dtype) for _ in range(config.num_layers)]
     for layer, values in enumerate(layers):
         for name, ts in FUSED.items():
             a, bs = values[name]
             for i, t in enumerate(ts):
-                if adapter is None or t not in adapter.weights:
+                if t not in adapter.weights:
                     continue
                 wa, wb = adapter.weights[t]
-                r = wa.shape[1]
+                r = adapter.rank
                 a[0, i * rank:i * rank + r] = wa[layer]
                 bs[i][0, :, :r] = wb[layer]
     return [jax.tree.map(lambda v: v[0], layer) for layer in layers]
