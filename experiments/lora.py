@@ -3,7 +3,9 @@ model alone, and what loading an adapter costs.
 
     python -m experiments.lora [--rounds 5] [--tokens 32] [--batches 16 64]
 
-Model: SmolLM2-135M-Instruct (the shipped GGUF), float32 on the CPU matmul kernel. Adapters:
+Model: SmolLM2-135M-Instruct (the shipped GGUF) at LLM()'s defaults (dtype "auto": bfloat16
+on a CPU with AVX-512 BF16, else float32); the adapters' slots in the model's dtype and the
+delta on the C++ kernel (kernels/cpu_lora.py) where it builds. Adapters:
 random LoRAs of rank 16 on all seven projections (q, k, v, o, gate, up, down), written as
 PEFT folders (adapter_config.json + adapter_model.safetensors under PEFT's key names) and
 read by the engine as a user's would be. What is built: vLLM's design, a fixed number of

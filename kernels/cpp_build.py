@@ -127,14 +127,14 @@ def build(source: Path, folder: Path, what: str, flags: tuple[str, ...]) -> Path
 
 
 def load(source: Path, folder: Path, what: str, fallback: str, targets: dict[str, str],
-         isa_name: str | None = None) -> bool:
-    """Builds `source` for an ISA (if needed), loads it and registers each FFI target name ->
-    exported handler symbol with XLA on the CPU, as `target(name, isa_name)`; False, with a
-    warning naming `what` and the `fallback` used instead, when it cannot be built or loaded
-    (ValueError for an unknown ISA)."""
+         isa_name: str | None = None, extra: tuple[str, ...] = ()) -> bool:
+    """Builds `source` for an ISA (if needed; `extra`: flags after the ISA's), loads it and
+    registers each FFI target name -> exported handler symbol with XLA on the CPU, as
+    `target(name, isa_name)`; False, with a warning naming `what` and the `fallback` used
+    instead, when it cannot be built or loaded (ValueError for an unknown ISA)."""
     chosen = isa(isa_name)
     try:
-        lib = ctypes.cdll.LoadLibrary(str(build(source, folder, what, flags(chosen))))
+        lib = ctypes.cdll.LoadLibrary(str(build(source, folder, what, (*flags(chosen), *extra))))
     except (RuntimeError, OSError) as err:
         import warnings
 

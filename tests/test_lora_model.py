@@ -12,11 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels import cpp_build, cpu_lora
 from paged_jax.cache.kv_cache import init_kv_cache
 from paged_jax.lora import weights as lw
 from paged_jax.lora.peft_folder import load_peft
+from paged_jax.models import lora_ops
 from paged_jax.models.llama import forward, prepare_params
-from paged_jax.models.lora_ops import lora_delta, lora_delta_reference
+from paged_jax.models.lora_ops import grouped_delta, lora_delta_reference
 from paged_jax.models.safetensors_loader import load_safetensors
 from tests.lora_helpers import ADAPTERS, hf_model, peft_logits, random_adapter
 
@@ -65,17 +67,74 @@ def test_a_mixed_batch_matches_peft_per_adapter(tmp_path, kind):
     assert not np.allclose(base[0], ours[0], atol=1e-3), "adapter 0 changed nothing"
 
 
-def test_grouped_delta_matches_reference_for_any_mix():
+def _kernel(isa: str | None = None) -> None:
+    if not cpu_lora.load(str(cpp_build.default_folder()), isa):
+        pytest.skip("the C++ LoRA kernel did not build")
+
+
+# the C++ kernel's AVX-512 paths (native, on such a CPU) and its portable ones (x86-64-v2)
+@pytest.mark.parametrize("path, dtype, isa", [
+    ("grouped", jnp.float32, None), ("cpu", jnp.float32, None), ("cpu", jnp.bfloat16, None),
+    ("cpu", jnp.float32, "x86-64-v2"), ("cpu", jnp.bfloat16, "x86-64-v2")])
+def test_delta_matches_reference_for_any_mix(path, dtype, isa):
+    if path == "cpu":
+        _kernel(isa)
     rng = np.random.default_rng(0)
-    a = jnp.asarray(rng.standard_normal((5, 12, 20)), jnp.float32)
-    bs = tuple(jnp.asarray(rng.standard_normal((5, o, 4)), jnp.float32) for o in (16, 8, 8))
-    grouped = jax.jit(lora_delta)
-    for t in (1, 9, 64, 70):  # tiles of 8 rows, several per slot, and a partial one
-        x = jnp.asarray(rng.standard_normal((t, 20)), jnp.float32)
+    a = jnp.asarray(rng.standard_normal((5, 12, 20)), dtype)
+    bs = tuple(jnp.asarray(rng.standard_normal((5, 4, o)), dtype) for o in (16, 8, 72))
+    delta = jax.jit(grouped_delta if path == "grouped" else
+                    lambda *args: cpu_lora.delta(*args, isa=isa))
+    for t in (1, 9, 64, 70):  # tiles of 8 rows, several per slot, and a partial one; the
+        x = jnp.asarray(rng.standard_normal((t, 20)), jnp.float32)  # kernel's groups of 4
         for slots in (rng.integers(-1, 5, t), np.full(t, -1), np.full(t, 3)):
             s = jnp.asarray(slots, jnp.int32)
-            np.testing.assert_allclose(grouped(x, a, bs, s),
-                                       lora_delta_reference(x, a, bs, s), atol=1e-4)
+            got, want = delta(x, a, bs, s), lora_delta_reference(x, a, bs, s)
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+            assert not np.any(np.asarray(got)[slots < 0]), "a row of no adapter got a delta"
+
+
+@pytest.mark.parametrize("isa", [None, "x86-64-v2"])
+def test_cpu_kernel_rows_do_not_depend_on_the_batch(isa):
+    """A token's delta is the same alone or beside any other tokens (batch-invariant)."""
+    _kernel(isa)
+    rng = np.random.default_rng(1)
+    a = jnp.asarray(rng.standard_normal((4, 32, 600)), jnp.float32)  # tails of every width
+    bs = (jnp.asarray(rng.standard_normal((4, 16, 100)), jnp.float32),
+          jnp.asarray(rng.standard_normal((4, 16, 7)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((11, 600)), jnp.float32)
+    s = jnp.asarray(rng.integers(0, 4, 11), jnp.int32)
+    batched = np.asarray(cpu_lora.delta(x, a, bs, s, isa=isa))
+    for t in range(11):
+        np.testing.assert_array_equal(cpu_lora.delta(x[t:t + 1], a, bs, s[t:t + 1], isa=isa)[0],
+                                      batched[t])
+
+
+@pytest.mark.parametrize("isa", [None, "x86-64-v2"])
+def test_cpu_kernel_adds_into_a_bfloat16_output_rounding_once(isa):
+    """y + delta in y's dtype: rows of no adapter keep y bit for bit; the others are the
+    float32 sum rounded to bfloat16 once (to nearest even), as XLA rounds y + delta."""
+    _kernel(isa)
+    rng = np.random.default_rng(2)
+    a = jnp.asarray(rng.standard_normal((3, 8, 40)), jnp.bfloat16)
+    bs = (jnp.asarray(rng.standard_normal((3, 8, 24)), jnp.bfloat16),)
+    x = jnp.asarray(rng.standard_normal((6, 40)), jnp.bfloat16)
+    y = jnp.asarray(rng.standard_normal((6, 24)) * 50, jnp.bfloat16)
+    s = jnp.asarray([0, -1, 2, 1, -1, 0], jnp.int32)
+    got = jax.jit(lambda *v: cpu_lora.add(*v, isa=isa))(y, x, a, bs, s)
+    assert got.dtype == jnp.bfloat16
+    want = (y.astype(jnp.float32) + lora_delta_reference(x.astype(jnp.float32), a, bs, s)
+            ).astype(jnp.bfloat16)
+    keep = np.asarray(s) < 0
+    np.testing.assert_array_equal(np.asarray(got)[keep], np.asarray(y)[keep])
+    ulps = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)) / np.maximum(
+        np.abs(np.asarray(want, np.float32)), 1e-3)
+    assert ulps.max() <= 2 ** -7, "more than one bfloat16 rounding off"
+
+
+def test_the_engine_runs_the_cpu_kernel_where_it_builds():
+    s = jnp.asarray([0, -1, 1], jnp.int32)
+    prepared = lora_ops.prepare(s, 2)
+    assert isinstance(prepared, lora_ops.Plan) != lora_ops.cpu_kernel()
 
 
 @pytest.mark.parametrize("change, refused", [

@@ -230,7 +230,7 @@ class Runner:
             params = self._lay_out(params, books)
         self.params, cc = params, ec.cache
         if ec.lora is not None:  # adapter slots, placed per step by the engine (lora/manager.py)
-            self.adapters = AdapterManager(model, ec.lora, cc.max_seqs, books)
+            self.adapters = AdapterManager(model, ec.lora, cc.max_seqs, books, dtype)
             self.params = {**params, "lora": self.adapters.device_tree()}
         groups = ec.kv_groups  # sliding-window layers' own page tables (cache/groups.py)
         self.block_bytes = kv_lib.kv_cache_bytes(groups.num_buffers if groups else model.num_layers,

@@ -17,11 +17,13 @@ from collections import OrderedDict
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from paged_jax.lora import weights as lw
 from paged_jax.lora.config import LoRAConfig
 from paged_jax.lora.peft_folder import load_peft
 from paged_jax.lora.request import LoRARequest
+from paged_jax.models import lora_ops
 from paged_jax.models.config import ModelConfig
 
 
@@ -29,10 +31,13 @@ class AdapterManager:
     """Device slots and the host cache of adapters (module docstring)."""
 
     def __init__(self, config: ModelConfig, limits: LoRAConfig, num_kv_slots: int,
-                 device=None):
-        # float32 whatever the model's dtype: XLA:CPU's bfloat16 dots are slow, and the
-        # deltas are small next to the projections they add to
-        self.config, self.max_loras, self.dtype = config, limits.max_loras, jnp.float32
+                 device=None, dtype: DTypeLike = jnp.float32):
+        # the model's dtype where the delta runs on the C++ kernel or a GPU (a bfloat16
+        # model's slots are half the bytes a step streams); float32 on XLA:CPU, whose
+        # bfloat16 dots are slow
+        on_xla_cpu = jax.default_backend() == "cpu" and not lora_ops.cpu_kernel()
+        self.dtype = jnp.float32 if on_xla_cpu else jnp.dtype(dtype)
+        self.config, self.max_loras = config, limits.max_loras
         self.rank, self.max_cpu, self.device = limits.max_lora_rank, limits.host_slots, device
         # committed to the engine's device: jit keys on placement (engine/runner.py)
         self.slots = jax.device_put(lw.empty_slots(config, self.max_loras, self.rank, self.dtype),

@@ -4,7 +4,7 @@ projection). Shapes depend only on (config, N, max rank), so loading an adapter 
 or clearing one changes values, never a compiled program.
 
 Per layer, one entry per fused projection, each (a [N, k*R, in], (b_1, ..., b_k)), b_i
-[N, out_i, R]:
+[N, R, out_i] (PEFT's B transposed: the expand runs along the outputs, rank rows of them):
 
     lora_qkv      q|k|v (k = 3)       lora_o     o_proj
     lora_gate_up  gate|up (k = 2)     lora_down  down_proj
@@ -38,7 +38,7 @@ def empty_slots(config: ModelConfig, num_slots: int, rank: int,
 def _host_layer(config: ModelConfig, n: int, rank: int, dtype) -> dict:
     dims = shapes(config)
     return {name: (np.zeros((n, len(ts) * rank, dims[ts[0]][0]), dtype),
-                   tuple(np.zeros((n, dims[t][1], rank), dtype) for t in ts))
+                   tuple(np.zeros((n, rank, dims[t][1]), dtype) for t in ts))
             for name, ts in FUSED.items()}
 
 
@@ -55,7 +55,7 @@ def slot_values(config: ModelConfig, adapter: Adapter, rank: int, dtype: DTypeLi
                 wa, wb = adapter.weights[t]
                 r = adapter.rank
                 a[0, i * rank:i * rank + r] = wa[layer]
-                bs[i][0, :, :r] = wb[layer]
+                bs[i][0, :r] = wb[layer].T
     return [jax.tree.map(lambda v: v[0], layer) for layer in layers]
 
 

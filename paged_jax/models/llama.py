@@ -59,8 +59,8 @@ from paged_jax.models import moe
 from paged_jax.models import parallel as tp_lib
 from paged_jax.models.attention import paged_attention
 from paged_jax.models.config import ModelConfig
-from paged_jax.models.lora_ops import lora_delta
-from paged_jax.models.lora_ops import plan as lora_plan
+from paged_jax.models.lora_ops import prepare as lora_prepare
+from paged_jax.models.lora_ops import with_delta
 from paged_jax.models.param_forms import (  # noqa: F401 (the forms' functions, re-exported)
     EXPERTS,
     FUSED,
@@ -149,7 +149,7 @@ def with_lora(y: Float[Array, "T O"], x: Float[Array, "T I"], p: Params, name: s
     if len(batch) < 6 or batch[5] is None or name not in p:
         return y
     with jax.named_scope("lora"):
-        return y + lora_delta(x, *p[name], batch[5])
+        return with_delta(y, x, *p[name], batch[5])
 
 
 def _qk_norm(x: Float[Array, "T X D"], w: Array, eps: float, whole: bool) -> Array:
@@ -286,7 +286,7 @@ def _layers(params: Params, x: Float[Array, "T E"], cache: KVCache, batch: tuple
     bufs = [cache.buffer(b) for b in range(cache.num_layers)]
     loads, adapters = [], params["lora"]["layers"] if slots is not None else None
     if adapters is not None:  # tokens sorted by adapter once for every projection
-        slots = lora_plan(slots, adapters[0]["lora_qkv"][0].shape[0])
+        slots = lora_prepare(slots, adapters[0]["lora_qkv"][0].shape[0])
     for i, p in enumerate(runtime_layers(params)):
         window, g = config.window(i), cache.group_of(i)
         b = cache.layer_buffer[i] if cache.layer_buffer else i

@@ -2,30 +2,40 @@
 expand over a batch that mixes adapters).
 
 Every adapter sits in a slot of stacked weights: `a` [N, k*R, I] (the k targets of one fused
-projection side by side: q|k|v, or gate|up) and `b`, one [N, O_i, R] per target, the scale
+projection side by side: q|k|v, or gate|up) and `b`, one [N, R, O_i] per target, the scale
 already folded in (lora/weights.py). A token's delta for slot j is, per target i,
 
-    (x @ a[j, i*R:(i+1)*R].T) @ b_i[j].T          the "shrink" to R, then the "expand" to O_i
+    (x @ a[j, i*R:(i+1)*R].T) @ b_i[j]            the "shrink" to R, then the "expand" to O_i
 
 and the k expands are laid side by side like the fused projection's output. Tokens of no
 adapter (slot -1) get zeros.
 
-    grouped    (the engine's) tokens sorted by slot; each slot runs its own rows in tiles of
+    grouped    (the engine's off CPU) tokens sorted by slot; each slot runs its own rows in tiles of
                `tile` rows, as many tiles as it got, all in one loop whose trip count is the
                batch's tiles (data-dependent, so no recompilation as the mix of adapters
                changes). Work: the tokens times the rank, plus at most one partial tile per
                adapter in the batch; each adapter's weights read once per tile, in place.
+    cpu        (the engine's on CPU, where it builds) the C++ kernel of kernels/cpu_lora.py:
+               the same grouping inside one call per fused projection, which also adds the
+               delta into the projection's output (`with_delta`). A trip of the grouped
+               form's loop costs XLA:CPU about 20 us whatever its work, and with four fused
+               projections a layer the loop, not the arithmetic, set the step's cost
     reference  each token's slot weights gathered, one einsum: the tokens times the rank too,
                but the gathered copies cost [T, R, I] of memory (what tests compare against).
+
+`prepare` picks: the slots as they are for the C++ kernel, else their grouped `plan`.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from kernels import cpu_lora
+from paged_jax import compile_cache
 from paged_jax.types import Array, Float, Int
 
 
@@ -36,8 +46,9 @@ def _dot(x: Array, w: Array) -> Array:
 
 
 def _expand(h: Float[Array, "M kR"], bs: tuple[Array, ...]) -> Float[Array, "M O"]:
-    r = bs[0].shape[-1]
-    return jnp.concatenate([_dot(h[:, i * r:(i + 1) * r].astype(b.dtype), b)
+    r = bs[0].shape[-2]
+    return jnp.concatenate([jnp.dot(h[:, i * r:(i + 1) * r].astype(b.dtype), b,
+                                    preferred_element_type=jnp.float32)
                             for i, b in enumerate(bs)], axis=1)
 
 
@@ -73,15 +84,45 @@ def plan(slots: Int[Array, "T"], num_slots: int) -> Plan:
     return Plan(order, inverse, sizes, jnp.cumsum(sizes) - sizes, tiles, jnp.cumsum(tiles))
 
 
+@functools.cache
+def cpu_kernel() -> bool:
+    """Whether this process runs the delta on the C++ CPU kernel (a CPU platform, and the
+    kernel built; decided once)."""
+    return jax.default_backend() == "cpu" and cpu_lora.load(str(compile_cache.kernel_folder()))
+
+
+def prepare(slots: Int[Array, "T"], num_slots: int) -> Int[Array, "T"] | Plan:
+    """What a step's projections take as their tokens' slots (computed once per forward):
+    the slots for the C++ kernel, else their grouped plan."""
+    return slots if cpu_kernel() else plan(slots, num_slots)
+
+
+def with_delta(y: Float[Array, "T O"], x: Float[Array, "T I"], a: Float[Array, "N kR I"],
+               bs: tuple[Array, ...], slots: Int[Array, "T"] | Plan) -> Float[Array, "T O"]:
+    """y (a projection's output for x) plus each token's adapter delta: on the C++ kernel,
+    which adds in place, when `slots` are given as they are and it runs here."""
+    if not isinstance(slots, Plan) and cpu_kernel() and y.dtype in cpu_lora.FLOATS:
+        return cpu_lora.add(y, x, a, bs, slots)
+    return y + lora_delta(x, a, bs, slots)
+
+
 def lora_delta(x: Float[Array, "T I"], a: Float[Array, "N kR I"], bs: tuple[Array, ...],
                slots: Int[Array, "T"] | Plan) -> Float[Array, "T O"]:
-    """The grouped delta of each token's adapter (module docstring), in x's dtype, computed
-    in the slots' dtype; `slots` may be given as their `plan` (once for a step's
-    projections)."""
+    """The delta of each token's adapter (module docstring), in x's dtype: on the C++ kernel
+    when `slots` are given as they are and it runs here, else grouped (in the slots' dtype;
+    `slots` may be given as their `plan`, once for a step's projections)."""
+    if not isinstance(slots, Plan) and cpu_kernel():
+        return cpu_lora.delta(x, a, bs, slots)
+    return grouped_delta(x, a, bs, slots)
+
+
+def grouped_delta(x: Float[Array, "T I"], a: Float[Array, "N kR I"], bs: tuple[Array, ...],
+                  slots: Int[Array, "T"] | Plan) -> Float[Array, "T O"]:
+    """The grouped delta (module docstring) on XLA, whatever the platform."""
     p = slots if isinstance(slots, Plan) else plan(slots, a.shape[0])
     (t, width), m = x.shape, tile_rows(x.shape[0], a.shape[0])
     rows = jnp.concatenate([x[p.order].astype(a.dtype), jnp.zeros((m, width), a.dtype)])
-    width_out = sum(b.shape[1] for b in bs)
+    width_out = sum(b.shape[-1] for b in bs)
 
     def one_tile(k, out):
         j = jnp.searchsorted(p.ends, k, side="right")  # the slot whose tiles hold tile k
@@ -103,7 +144,7 @@ def lora_delta_reference(x: Float[Array, "T I"], a: Float[Array, "N kR I"],
     """Each token's slot weights gathered (slot -1: zeros), then one einsum per side."""
     j = jnp.clip(slots, 0)
     h = jnp.einsum("ti,tri->tr", x.astype(jnp.float32), a[j].astype(jnp.float32))
-    r = bs[0].shape[-1]
-    y = jnp.concatenate([jnp.einsum("tr,tor->to", h[:, i * r:(i + 1) * r],
+    r = bs[0].shape[-2]
+    y = jnp.concatenate([jnp.einsum("tr,tro->to", h[:, i * r:(i + 1) * r],
                                     b[j].astype(jnp.float32)) for i, b in enumerate(bs)], 1)
     return jnp.where((slots >= 0)[:, None], y, 0.0).astype(x.dtype)
