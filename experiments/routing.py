@@ -20,8 +20,10 @@ are labelled by each model's likelihood of a reference answer.
    request against a weak-model request's latency; then the same questions all at once
    through the server's "auto" model (both models loaded): none lost;
 3. the issue's targets, each with what it was measured against.
-Writes results/routing.json (+ .png) and, not with --quick, the pair's shipped head
-(routing/trained/<weak>+<strong>); `--quick` uses 168 questions.
+Writes results/routing.json (+ .png) and the pair's shipped heads (routing/trained/<weak>+
+<strong>); `--quick` runs the same code paths on QUICK's sizes (42 questions, 8 routed end to
+end, a smaller balancing panel, one timed run per side) into results/routing_quick.json and
+saves no head.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from paged_jax.serve.api import build_app
 from paged_jax.serve.background import Server
 
 # --quick: every code path on less (the issue's bar: under 5 minutes on this machine)
-QUICK = dict(items=42, end_to_end=8, balance=40, timing=(3, 6), boot=200)
+QUICK = dict(items=42, end_to_end=8, balance=40, timing=(1, 4), boot=200,
+             grid=dict(rates=(10.0, 60.0), replicas=(2,)))
 
 
 def split_results(data: dict, items, boot: int = 1000) -> dict:
@@ -218,28 +221,31 @@ def streamed_ttft(url: str, prompts: list[str], models: tuple[str, ...]) -> dict
     return {m: float(np.median(v)) if v else None for m, v in seen.items()}
 
 
-def overhead(weak: LLM, router: RoutedLLM, prompts: list[str], sp, boot: int = 1000) -> dict:
-    """One request at a time: weak-model latency alone vs through the router (requests the
-    router kept on the weak model), the two alternating per prompt (which goes first swaps
-    each time), with a 95% interval from resampling the prompts; and the classifier's own
-    time."""
+def overhead(weak: LLM, router: RoutedLLM, prompts: list[str], sp, boot: int = 1000,
+             reps: int = 3) -> dict:
+    """One request at a time, paired per prompt: weak-model latency alone vs through the
+    router (requests the router kept on the weak model: its probe, decision and the rest),
+    `reps` times each, alternating (which goes first swaps each time), after an untimed pass
+    of both. Per prompt the ratio of the two sides' fastest (noise on a shared CPU only ever
+    adds time); the overhead is the mean ratio - 1, with a 95% interval from resampling the
+    prompts; and the classifiers' own time."""
     keep = RoutedLLM(weak, router.strong, router.head, threshold=np.inf, names=tr.MODELS,
                      policy=router.policy, prompt_head=router.prompt_head)
     keep.prompt_threshold = np.inf  # every request stays on the weak model, decided as routed
     runs = {"alone": lambda p: weak.generate(p, sp, use_tqdm=False),
             "routed": lambda p: keep.generate(p, sp)}
-    lat = {k: [] for k in runs}
+    lat = {k: np.zeros((len(prompts), reps)) for k in runs}
     for i, p in enumerate(prompts):
         for f in runs.values():  # warm both paths' programs (the router's probe asks for
             f(p)  # logprobs and the hidden state); prefix cache primed for both
-        for k in sorted(runs, reverse=bool(i % 2)):
-            t0 = time.perf_counter()
-            runs[k](p)
-            lat[k].append(time.perf_counter() - t0)
-    alone, routed = (np.array(lat[k]) for k in ("alone", "routed"))
-    ratio = lambda i: np.median(routed[i]) / np.median(alone[i]) - 1  # noqa: E731
+        for r in range(reps):
+            for k in sorted(runs, reverse=bool((i + r) % 2)):
+                t0 = time.perf_counter()
+                runs[k](p)
+                lat[k][i, r] = time.perf_counter() - t0
+    ratios = lat["routed"].min(1) / lat["alone"].min(1)
     rng = np.random.default_rng(0)
-    draws = [ratio(rng.integers(0, len(prompts), len(prompts))) for _ in range(boot)]
+    draws = [ratios[rng.integers(0, len(prompts), len(prompts))].mean() - 1 for _ in range(boot)]
     answers = [np.asarray(r.features, np.float32)[None] for r in keep.routes.values()
                if r.stage == "answer"]
     t0 = time.perf_counter()
@@ -248,10 +254,11 @@ def overhead(weak: LLM, router: RoutedLLM, prompts: list[str], sp, boot: int = 1
     for row in answers:  # ... and the answer head's
         router.head.gain(row)
     clf = (time.perf_counter() - t0) / len(prompts)
-    return dict(weak_latency_s=float(np.median(alone)), routed_latency_s=float(np.median(routed)),
-                overhead=float(ratio(slice(None))), prompts=len(prompts),
+    alone = float(np.median(lat["alone"].min(1)))
+    return dict(weak_latency_s=alone, routed_latency_s=float(np.median(lat["routed"].min(1))),
+                overhead=float(ratios.mean() - 1), prompts=len(prompts), reps=reps,
                 overhead_interval_95=np.percentile(draws, [2.5, 97.5]).tolist(),
-                classifier_s=clf, classifier_share=clf / float(np.median(alone)))
+                classifier_s=clf, classifier_share=clf / alone)
 
 
 def balance_checks(rows: list[dict]) -> dict:
@@ -272,6 +279,7 @@ def main(argv: list[str] | None = None, name: str = "routing") -> dict:
     ap.add_argument("--balance-requests", type=int, default=300)
     args = ap.parse_args(argv)
     quick = args.quick
+    name += "_quick" if quick else ""  # a quick run never overwrites the full run's results
     sizes = QUICK if quick else dict(items=args.items, end_to_end=args.end_to_end,
                                      balance=args.balance_requests, timing=(3, tr.COST_ITEMS),
                                      boot=1000)
@@ -306,7 +314,7 @@ def main(argv: list[str] | None = None, name: str = "routing") -> dict:
     seconds["end_to_end"] = lap()
     del weak, strong
     res["targets"] = targets(res)
-    res["balance"] = balance.panel(requests=sizes["balance"])
+    res["balance"] = balance.panel(requests=sizes["balance"], **sizes.get("grid", {}))
     res["seconds"] = dict(seconds, balance=lap())
     res["balance_checks"] = balance_checks(res["balance"])
     res["png"] = str(plot(res, name))

@@ -161,3 +161,37 @@ def test_a_saving_is_judged_by_its_interval_not_its_point_estimate():
     assert judged(0.35, ">=", 0.30, [0.31, 0.40])["verdict"] == "met"
     assert judged(0.25, ">=", 0.30, [0.20, 0.29])["verdict"] == "not met"
     assert judged(0.35, ">=", 0.30)["met"] and "verdict" not in judged(0.35, ">=", 0.30)
+
+
+def test_a_narrowed_request_keeps_its_tokens_and_stops_reporting(pair):
+    """Engine.narrow_outputs: what the router calls on a request it keeps on the weak model
+    (the probe's logprobs are not wanted past the window)."""
+    weak, eng = pair[0], pair[0].llm_engine
+    eng.add_request("narrow-0", PROMPTS[3], dataclasses.replace(SP, logprobs=3))
+    final = None
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.request_id != "narrow-0":
+                continue
+            if len(o.outputs[0].token_ids) >= 2 and not o.finished:
+                eng.narrow_outputs("narrow-0", None, False)
+            final = o if o.finished else final
+    alone = weak.generate([PROMPTS[3]], SP, use_tqdm=False)[0].outputs[0]
+    assert final.outputs[0].token_ids == alone.token_ids
+    reported = len(final.outputs[0].logprobs or [])
+    assert 2 <= reported < len(alone.token_ids), reported
+    eng.narrow_outputs("no-such-request", None, False)  # finished or unknown: nothing
+
+
+def test_the_cascade_narrows_what_it_keeps(pair, monkeypatch):
+    weak, strong, head, prompt_head = pair
+    thr = float(np.median(head.gain(np.stack([feat.features(p, answered(p, [[-1.0, -2.0]]))
+                                              for p in PROMPTS]))))
+    router = RoutedLLM(weak, strong, head, policy="cascade", threshold=thr, names=("w", "s"))
+    narrowed, narrow = [], weak.llm_engine.narrow_outputs
+    monkeypatch.setattr(weak.llm_engine, "narrow_outputs",
+                        lambda rid, *a: narrowed.append((rid, *a)) or narrow(rid, *a))
+    outs = router.generate(PROMPTS, SP)
+    kept = sorted(o.request_id for o in outs if o.model == "w")
+    assert kept and sorted(r for r, *_ in narrowed) == kept
+    assert all(a == [None, False] for _, *a in narrowed)  # SP asked for neither

@@ -182,6 +182,18 @@ class Engine:
             self.runner.params = {**self.runner.params,
                                   "lora": self.runner.adapters.device_tree()}
 
+    def narrow_outputs(self, request_id: str, logprobs: int | None,
+                       return_hidden_states: bool) -> None:
+        """From its next step on, a running request reports only `logprobs` and the hidden
+        state if asked (a router's probe asks for more to decide, and nothing of it once
+        decided): its steps then run without those outputs, on the device and the host. Its
+        tokens do not change (they report, never steer); a finished or unknown request:
+        nothing to do."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            req.params = dataclasses.replace(req.params, logprobs=logprobs,
+                                             return_hidden_states=return_hidden_states)
+
     def abort(self, request_id: str) -> None:
         """Drops a request wherever it is and frees everything it holds."""
         req = self.requests.pop(request_id, None)

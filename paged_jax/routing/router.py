@@ -219,6 +219,9 @@ class RoutedLLM:
                     self.weak.llm_engine.abort(rid)
                 self.strong.llm_engine.add_request(rid, prompt, sp)
                 return
+            # kept: the rest of its tokens need only what the caller asked (the probe's
+            # top-TOP_K logprobs cost every later step a top-k over the vocabulary)
+            self.weak.llm_engine.narrow_outputs(rid, sp.logprobs, sp.return_hidden_states)
         if out.finished and self.routes.get(rid) and self.routes[rid].model == self.names[0]:
             done[rid] = as_asked(dataclasses.replace(out, model=self.names[0]), asked[rid][1])
 

@@ -163,6 +163,11 @@ class AsyncEngine:
         """Aborts a request (a no-op once it has finished)."""
         self._inbox.put(("abort", request_id))
 
+    def narrow_outputs(self, request_id: str, logprobs: int | None,
+                       return_hidden_states: bool) -> None:
+        """Engine.narrow_outputs, applied on the engine thread."""
+        self._inbox.put(("narrow", request_id, logprobs, return_hidden_states))
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stops the loop after its current step; open streams end with an error.
 
@@ -254,6 +259,8 @@ class AsyncEngine:
                                         lora_request=lora)
             except Exception as e:  # noqa: BLE001 - the caller gets the engine's own error
                 self._deliver(rid, e)
+        elif cmd[0] == "narrow":
+            self.engine.narrow_outputs(*cmd[1:])
         elif cmd[0] == "abort":
             rid = cmd[1]
             if rid in self.engine.requests:

@@ -111,7 +111,9 @@ async def _route(router: RoutedLLM, stream: RequestStream, weak, strong, prompt:
     route = router.decide(prompt, out)
     if on_route is not None:
         on_route(route)
-    if route.model != strong.name:
+    if route.model != strong.name:  # kept: later steps report only what was asked
+        weak.engine.narrow_outputs(stream.request_id, params.logprobs,
+                                   params.return_hidden_states)
         return RoutedStream(stream, weak, params)
     stream.close()
     moved = strong.engine.submit(prompt, params, stream.request_id)
