@@ -8,6 +8,7 @@ backend="pallas")`).
                                several gathered per loop step
     mosaic_decode.py           decode on Mosaic GPU (Hopper: TMA into shared memory, wgmma)
     ragged_paged_attention.py  chunked prefill + decode in one ragged batch: grouped | dot
+    lora_pallas.py             the batched LoRA delta of a mixed-adapter batch (tiles of one slot)
     dispatch.py                picks the kernel and variant from static shapes
     gpu_check.py               the kernel half of `make gpu-check` (experiments/gpu_check.py)
     gpu_timing.py              its paired-round timing and the copy-bandwidth limit

@@ -4,9 +4,9 @@ Both decode and ragged kernels, every variant (Triton: one page or several a ste
 without splits; Mosaic GPU in bf16), for SmolLM2's heads (9/3, D = 64) and a Llama-like
 config (32/8, D = 128) in fp32 and bf16, on int8 / fp8 pages with scales, and at Gemma 3's
 shape (4/1, D = 256) with a sliding window (Mosaic: at 32/8 with a window); the weight-only
-int8 / int4 matmul. A failure is a row with ok=False (the rest of the report is still
-written). Off GPU the kernels run in interpret mode, which is how the tests exercise this
-file (`quick=True`: the decode and ragged rows only).
+int8 / int4 matmul; the batched LoRA delta. A failure is a row with ok=False (the rest of
+the report is still written). Off GPU the kernels run in interpret mode, which is how the
+tests exercise this file (`quick=True`: the decode and ragged rows only).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def validate(quick: bool = False) -> list[dict]:
                 rows.append(_check("decode", variant, nq, h, d, kind, run, ref, 2e-3))
     if quick:
         return rows
-    return rows + validate_window(key) + validate_quant_matmul()
+    return rows + validate_window(key) + validate_quant_matmul() + validate_lora()
 
 
 def skip_mosaic() -> bool:
@@ -169,6 +169,33 @@ def stored_pages(x, kind: str, groups: int = 2):
                      jnp.dtype(jnp.int8))
     bits = jax.lax.bitcast_convert_type(y.astype(jnp.float8_e4m3fn), jnp.uint8)
     return Pages(bits, scale, jnp.dtype(jnp.float8_e4m3fn))
+
+
+def validate_lora() -> list[dict]:
+    """The batched LoRA delta (kernels/lora_pallas.py) on SmolLM2's q|k|v projection, 16
+    slots of rank 16, 64 tokens over 16 adapters and the base model, fp32 and bf16, against
+    the gathered reference (models/lora_ops.lora_delta_reference's arithmetic, in jnp)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kernels import lora_pallas as lp
+
+    rows, rng = [], np.random.default_rng(0)
+    a = rng.standard_normal((16, 48, 576), np.float32) / 24
+    bs = tuple(rng.standard_normal((16, 16, o), np.float32) / 4 for o in (576, 192, 192))
+    slots = jnp.asarray(rng.integers(-1, 16, 64), jnp.int32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = jnp.asarray(rng.standard_normal((64, 576), np.float32), dtype)
+        j = jnp.clip(slots, 0)
+        h = jnp.einsum("ti,tri->tr", x.astype(jnp.float32), jnp.asarray(a)[j])
+        ref = jnp.concatenate([jnp.einsum("tr,tro->to", h[:, 16 * k:16 * (k + 1)],
+                                          jnp.asarray(b)[j]) for k, b in enumerate(bs)], 1)
+        ref = jnp.where((slots >= 0)[:, None], ref, 0.0)
+        args = (x, jnp.asarray(a, dtype), tuple(jnp.asarray(b, dtype) for b in bs), slots)
+        rows.append(_check("lora", "tiles", 64, 16, 576, dtype,
+                           lambda args=args: lp.delta(*args), ref,
+                           1e-2 if dtype == jnp.float32 else 0.1))
+    return rows
 
 
 def _check(kind, variant, nq, h, d, dtype, run, ref, tol) -> dict:

@@ -10,20 +10,23 @@ already folded in (lora/weights.py). A token's delta for slot j is, per target i
 and the k expands are laid side by side like the fused projection's output. Tokens of no
 adapter (slot -1) get zeros.
 
-    grouped    (the engine's off CPU) tokens sorted by slot; each slot runs its own rows in tiles of
-               `tile` rows, as many tiles as it got, all in one loop whose trip count is the
-               batch's tiles (data-dependent, so no recompilation as the mix of adapters
-               changes). Work: the tokens times the rank, plus at most one partial tile per
+    grouped    (the engine's elsewhere) tokens sorted by slot; each slot runs its own rows in
+               tiles of `tile` rows, as many tiles as it got, all in one loop whose trip
+               count is the batch's tiles (data-dependent, so no recompilation as the mix of
+               adapters changes). Work: the tokens times the rank, plus at most one partial tile per
                adapter in the batch; each adapter's weights read once per tile, in place.
     cpu        (the engine's on CPU, where it builds) the C++ kernel of kernels/cpu_lora.py:
                the same grouping inside one call per fused projection, which also adds the
                delta into the projection's output (`with_delta`). A trip of the grouped
                form's loop costs XLA:CPU about 20 us whatever its work, and with four fused
                projections a layer the loop, not the arithmetic, set the step's cost
+    pallas     (the engine's on a GPU whose JAX has Pallas' Triton backend) the kernel of
+               kernels/lora_pallas.py: tokens in tiles of one slot each, one program per tile
+               and block of outputs reading its slot's weights by index
     reference  each token's slot weights gathered, one einsum: the tokens times the rank too,
                but the gathered copies cost [T, R, I] of memory (what tests compare against).
 
-`prepare` picks: the slots as they are for the C++ kernel, else their grouped `plan`.
+`prepare` picks: the slots as they are for either kernel, else their grouped `plan`.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels import cpu_lora
+from kernels import cpu_lora, lora_pallas
+from kernels.paged_attention import TRITON
 from paged_jax import compile_cache
 from paged_jax.types import Array, Float, Int
 
@@ -91,10 +95,17 @@ def cpu_kernel() -> bool:
     return jax.default_backend() == "cpu" and cpu_lora.load(str(compile_cache.kernel_folder()))
 
 
+@functools.cache
+def gpu_kernel() -> bool:
+    """Whether this process runs the delta on the Pallas kernel (a GPU, and Pallas' Triton
+    backend in this JAX; decided once)."""
+    return jax.default_backend() == "gpu" and TRITON
+
+
 def prepare(slots: Int[Array, "T"], num_slots: int) -> Int[Array, "T"] | Plan:
     """What a step's projections take as their tokens' slots (computed once per forward):
-    the slots for the C++ kernel, else their grouped plan."""
-    return slots if cpu_kernel() else plan(slots, num_slots)
+    the slots for either kernel, else their grouped plan."""
+    return slots if cpu_kernel() or gpu_kernel() else plan(slots, num_slots)
 
 
 def with_delta(y: Float[Array, "T O"], x: Float[Array, "T I"], a: Float[Array, "N kR I"],
@@ -108,11 +119,13 @@ def with_delta(y: Float[Array, "T O"], x: Float[Array, "T I"], a: Float[Array, "
 
 def lora_delta(x: Float[Array, "T I"], a: Float[Array, "N kR I"], bs: tuple[Array, ...],
                slots: Int[Array, "T"] | Plan) -> Float[Array, "T O"]:
-    """The delta of each token's adapter (module docstring), in x's dtype: on the C++ kernel
-    when `slots` are given as they are and it runs here, else grouped (in the slots' dtype;
+    """The delta of each token's adapter (module docstring), in x's dtype: on a kernel
+    when `slots` are given as they are and one runs here, else grouped (in the slots' dtype;
     `slots` may be given as their `plan`, once for a step's projections)."""
     if not isinstance(slots, Plan) and cpu_kernel():
         return cpu_lora.delta(x, a, bs, slots)
+    if not isinstance(slots, Plan) and gpu_kernel():
+        return lora_pallas.delta(x, a, bs, slots)
     return grouped_delta(x, a, bs, slots)
 
 
