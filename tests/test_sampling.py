@@ -397,3 +397,39 @@ def test_bias_checks_name_the_field():
                           (dict(bad_words=[""]), "bad_words")]:
         with pytest.raises(ValueError, match=f"^{field} "):
             SamplingParams(**kwargs)
+
+
+def test_top_k_in_blocks_is_lax_top_k_ties_included():
+    from paged_jax.sample.logprobs import top_k_blocks
+
+    rng = np.random.default_rng(3)
+    for v, k in ((1000, 1), (1000, 5), (4099, 20), (50, 20)):
+        x = rng.standard_normal((6, v)).astype(np.float32)
+        x[3] = rng.integers(0, 4, v)  # ties everywhere: the lower index first
+        x[4, ::7] = np.inf
+        want_v, want_i = jax.lax.top_k(jnp.asarray(x), k)
+        got_v, got_i = top_k_blocks(jnp.asarray(x), k)
+        np.testing.assert_array_equal(got_i, want_i)
+        np.testing.assert_array_equal(got_v, want_v)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_logprobs_of_the_sampled_rows_only_match_all_rows(dtype):
+    """with_logprobs(active=...) (on CPU: the active rows one at a time) gives the active
+    rows what the whole-batch computation gives them, and zeros elsewhere."""
+    from paged_jax.sample.sampler import SampleFlags, with_logprobs
+
+    rng = np.random.default_rng(4)
+    logits = jnp.asarray(rng.standard_normal((8, 3000)) * 3, dtype)
+    tokens = jnp.asarray(rng.integers(0, 3000, 8), jnp.int32)
+    active = jnp.asarray([True, False, False, True, False, False, False, True])
+    flags = SampleFlags(logprobs=True, num_top_logprobs=4)
+    every = with_logprobs(logits, tokens, flags)
+    some = jax.jit(lambda *a: with_logprobs(*a, flags, active))(logits, tokens)
+    on = np.asarray(active)
+    for a, b in ((some.logprobs, every.logprobs), (some.top_logprobs, every.top_logprobs)):
+        np.testing.assert_allclose(np.asarray(a)[on], np.asarray(b)[on], rtol=1e-6, atol=1e-6)
+    for a, b in ((some.ranks, every.ranks), (some.top_ids, every.top_ids)):
+        np.testing.assert_array_equal(np.asarray(a)[on], np.asarray(b)[on])
+    if jax.default_backend() == "cpu":
+        assert not np.asarray(some.top_ids)[~on].any() and not np.asarray(some.ranks)[~on].any()

@@ -144,7 +144,7 @@ def _sample(
 ) -> tuple[EngineState, StepOut]:
     with jax.named_scope("sampling"):  # experiments/step_profile.py's kinds
         rows = smp.rows_view(state.sampling, slots, flags.penalties, flags.bias)
-        res = smp.sample(logits, rows, flags=flags, masks=masks)
+        res = smp.sample(logits, rows, flags=flags, masks=masks, active=active)
         sampling = smp.update_rows(state.sampling, slots, res.tokens, active, flags.penalties)
         counted = dataclasses.replace(rows, num_generated=rows.num_generated + active)
         finished, reason = smp.stop_mask(counted, res.tokens)

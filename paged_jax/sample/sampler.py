@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from kernels import cpu_matmul
 from paged_jax import compile_cache
 from paged_jax.sample import grammar
+from paged_jax.sample import logprobs as lp
 from paged_jax.sample.state import (  # noqa: F401 (the state API, re-exported)
     KEY_IMPL,
     MAX_STOP_IDS,
@@ -217,26 +218,10 @@ def _cpu_argmax() -> bool:
     return jax.default_backend() == "cpu" and cpu_matmul.load(str(compile_cache.kernel_folder()))
 
 
-def _gather_logprobs(
-    raw: Float[Array, "S V"], tokens: Int[Array, "S"], num_top: int
-) -> tuple[Float[Array, "S"], Int[Array, "S"], Int[Array, "S J"], Float[Array, "S J"]]:
-    raw = raw.astype(jnp.float32)
-    # log_softmax(raw)[token], rounded as log_softmax rounds, without an [S, V] result.
-    mx = jax.lax.stop_gradient(raw.max(axis=1, keepdims=True))
-    log_norm = jnp.log(jnp.exp(raw - mx).sum(axis=1, keepdims=True))
-    picked = jnp.take_along_axis(raw, tokens[:, None], axis=1)
-    chosen = ((picked - mx) - log_norm)[:, 0]
-    ranks = (raw > picked).sum(axis=1).astype(jnp.int32) + 1
-    if not num_top:
-        s = raw.shape[0]
-        return chosen, ranks, jnp.zeros((s, 0), jnp.int32), jnp.zeros((s, 0), jnp.float32)
-    top_raw, top_ids = jax.lax.top_k(raw, num_top)
-    return chosen, ranks, top_ids.astype(jnp.int32), (top_raw - mx) - log_norm
-
-
 def sample(
     logits: Float[Array, "S V"], state: SamplingState, num_top_logprobs: int = 0,
     flags: SampleFlags | None = None, masks: Int[Array, "S W"] | None = None,
+    active: Bool[Array, "S"] | None = None,
 ) -> SampleResult:
     """Samples one token per row from RAW model logits under each row's parameters.
 
@@ -253,6 +238,8 @@ def sample(
         each request's own `SamplingParams.logprobs` out of it. Ignored when flags are given.
       flags: static features the rows need; None = all (any row may use any feature).
       masks: [S, W] allowed-token bitmasks (sample/grammar.py), read when flags.grammar.
+      active: [S] the rows whose tokens are kept (None: all): on CPU logprobs are computed
+        for these rows only (`with_logprobs`).
 
     Returns:
       SampleResult with tokens [S], logprobs [S], ranks [S], top_ids / top_logprobs [S, J].
@@ -273,14 +260,18 @@ def sample(
         s = tokens.shape[0]
         return SampleResult(tokens, zf, zi, jnp.zeros((s, 0), jnp.int32),
                             jnp.zeros((s, 0), jnp.float32))
-    return with_logprobs(logits, tokens, flags)
+    return with_logprobs(logits, tokens, flags, active)
 
 
 def with_logprobs(logits: Float[Array, "S V"], tokens: Int[Array, "S"],
-                  flags: SampleFlags) -> SampleResult:
-    """`tokens` with their raw logprobs, ranks and the top J (what `sample` reports)."""
-    chosen, ranks, top_ids, top_lp = _gather_logprobs(logits, tokens, flags.num_top_logprobs)
-    return SampleResult(tokens, chosen, ranks, top_ids, top_lp)
+                  flags: SampleFlags, active: Bool[Array, "S"] | None = None) -> SampleResult:
+    """`tokens` with their raw logprobs, ranks and the top J (what `sample` reports); with
+    `active` on CPU, computed for those rows only (the others: zeros)."""
+    if active is not None and jax.default_backend() == "cpu":
+        found = lp.gather_active(logits, tokens, flags.num_top_logprobs, active)
+    else:
+        found = lp.gather(logits, tokens, flags.num_top_logprobs)
+    return SampleResult(tokens, *found)
 
 
 def constrained(logits: Float[Array, "S V"], flags: SampleFlags,
