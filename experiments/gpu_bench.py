@@ -147,6 +147,8 @@ def serve(eng, items, deadline: float) -> dict:
     return dict(finished=done, requests=len(items), output_tokens=tokens, wall_s=wall,
                 output_tokens_per_s=tokens / wall if wall else 0.0,
                 mean_batch=sum(d * r for d, r in busy) / total if total else 0.0,
+                # per step, not per second: a shared CPU's noise moves step durations, not batches
+                mean_batch_per_step=sum(r for _, r in busy) / len(busy) if busy else 0.0,
                 complete=not eng.has_unfinished())
 
 
