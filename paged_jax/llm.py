@@ -11,10 +11,12 @@ import dataclasses
 import time
 from collections.abc import Sequence as Seq
 
+import jax
 from tqdm.auto import tqdm
 
 from paged_jax.cache import kv_quant
-from paged_jax.engine import Engine, EngineConfig
+from paged_jax.engine import Engine, EngineConfig, snapshot
+from paged_jax.engine import sleep as sleep_lib
 from paged_jax.engine.balance import Balancer
 from paged_jax.engine.beam_search import beam_search
 from paged_jax.engine.config import scheduling
@@ -28,6 +30,7 @@ from paged_jax.llm_setup import (  # noqa: F401 (kv_groups_for, as_requests: re-
     block_bytes,
     kv_groups_for,
     load_draft,
+    load_parts,
     memory_for_kv,
     model_len,
     own_tokenizer,
@@ -46,7 +49,9 @@ class LLM:
     """An offline engine for one model, with vLLM's constructor arguments and methods.
 
     Args:
-      model: a .gguf file or a Hugging Face folder; None = the default SmolLM2-135M-Instruct.
+      model: a .gguf file or a Hugging Face folder; None = the default SmolLM2-135M-Instruct;
+        or a Flax NNX module of the user's own (paged_jax/nn/interface.py; its tokenizer
+        from `tokenizer`, which may then also be a .gguf file or a short name, or its own).
       block_size: tokens per KV block.
       num_kv_blocks: blocks in the KV pool; default from `kv_cache_memory`.
       kv_cache_memory: bytes for the KV pool (default 1 GiB) when num_kv_blocks is None.
@@ -145,11 +150,10 @@ class LLM:
         asked, dtype = dtype, resolve_dtype(dtype)
         kv_quant.storage_dtype(kv_cache_dtype, DTYPES[dtype])  # fails before loading
         t0 = time.perf_counter()
-        config, params, tok = model_parts or load_model(model, DTYPES[dtype])
-        if tokenizer is not None:
-            tok = own_tokenizer(tokenizer, config)
+        (config, params, tok), model_parts, fwd = load_parts(model, model_parts, tokenizer, dtype)
         self.dtype_choice, params = _choose_dtype(asked, dtype, model, model_parts,
                                                   quantization, config, params, tok)
+        self._source = None if model_parts is not None else (model, dtype)  # wake_up's reload
         dtype = DTYPES[self.dtype_choice["dtype"]]
         kv_dtype = kv_quant.storage_dtype(kv_cache_dtype, dtype)
         draft = load_draft(speculative, draft_model_parts, tok, dtype)
@@ -173,7 +177,8 @@ class LLM:
             async_scheduling=async_scheduling,
             long_prefill_token_threshold=long_prefill_token_threshold, kv_groups=groups, lora=lora)
         self.replicas = [Engine(config, params, tok, dataclasses.replace(
-            self.engine_config, first_device=i * tensor_parallel_size), draft=draft)
+            self.engine_config, first_device=i * tensor_parallel_size), draft=draft,
+            forward=fwd)
             for i in range(data_parallel_size)]
         self.llm_engine, self._counter = self.replicas[0], 0
         self.balancer = data_parallel_size > 1 and Balancer(self.replicas, "least_tokens") or None
@@ -273,3 +278,53 @@ class LLM:
                     bar.set_postfix_str(f"output {n_out / (time.perf_counter() - t0):.1f} tok/s")
         bar.close()
         return [done[i] for i in ids]
+
+    # ---- sleep mode and snapshots (engine/sleep.py, engine/snapshot.py) ---------------------
+    def sleep(self, level: int = 1) -> int:
+        """Frees the device memory of an idle LLM (vLLM's levels): 1 offloads the weights to
+        host memory and discards the KV cache, 2 discards both (wake_up reloads the weights
+        from the model's files). Returns the device bytes freed."""
+        return sum(sleep_lib.sleep(e, level) for e in self.replicas)
+
+    def wake_up(self, params=None) -> None:
+        """Brings the weights and a fresh KV cache back; no program compiles again. After
+        level 2, `params` (checkpoint form) replace the weights; None reloads the model's."""
+        for e in self.replicas:
+            if e.asleep is not None and e.asleep.level == 2 and params is None:
+                params = self._reload()
+            sleep_lib.wake_up(e, params if e.asleep and e.asleep.level == 2 else None)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.asleep is not None
+
+    def _reload(self):
+        if self._source is None:
+            raise ValueError("this LLM was built from model_parts: pass wake_up(params=...)")
+        model, loaded = self._source
+        params = load_model(model, DTYPES[loaded])[1]
+        runs = DTYPES[self.dtype_choice["dtype"]]
+        return params if runs == DTYPES[loaded] else jax.tree.map(lambda x: x.astype(runs),
+                                                                  params)
+
+    def save_state(self, path: str) -> snapshot.SnapshotStats:
+        """Saves the engine whole (orbax-checkpoint; engine/snapshot.py) into the new folder
+        `path`: every unfinished request continues after `restore_state`, in this process or
+        another, with the tokens it would have produced without stopping."""
+        if len(self.replicas) > 1:
+            raise NotImplementedError("save_state saves one engine: data_parallel_size=1")
+        return snapshot.save(self.llm_engine, path, {"counter": self._counter})
+
+    def restore_state(self, path: str) -> list[str]:
+        """Loads a snapshot of an LLM of the same model, dtype and layout into this idle one
+        (else SnapshotError, naming the difference); returns the ids of the requests it
+        holds, which `resume` (or stepping `llm_engine`) runs to the end."""
+        if len(self.replicas) > 1:
+            raise NotImplementedError("restore_state loads one engine: data_parallel_size=1")
+        extra = snapshot.restore(self.llm_engine, path)
+        self._counter = max(self._counter, extra.get("counter", 0))
+        return list(self.llm_engine.requests)
+
+    def resume(self, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Runs every request the engine holds (a restored snapshot's) to the end; their
+        outputs, in the order they were added."""
+        return self._run([r for e in self.replicas for r in e.requests], use_tqdm)

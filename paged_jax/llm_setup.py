@@ -172,3 +172,49 @@ def load_draft(spec: SpeculativeConfig | None, parts, tok, dtype) -> tuple | Non
         raise ValueError(f"draft model {spec.model!r} tokenizes differently from the model: "
                          "its drafts would not be the same tokens")
     return config, params
+
+
+def load_parts(model, parts, tokenizer, dtype: str) -> tuple[tuple, tuple | None, object]:
+    """LLM's model: ((config, params, tokenizer), the parts given (`parts`, or a Flax
+    module's), the module's forward or None). A checkpoint is loaded in `dtype` (a DTYPES
+    name) unless `parts` are given; `tokenizer` (a folder) replaces its own."""
+    dtype = DTYPES[dtype]
+    if (own := own_model(model, tokenizer, dtype)) is not None:
+        return own[0], own[0], own[1]
+    config, params, tok = parts or load_model(model, dtype)
+    if tokenizer is not None:
+        tok = own_tokenizer(tokenizer, config)
+    return (config, params, tok), parts, None
+
+
+def own_model(model, tokenizer, dtype) -> tuple[tuple, object] | None:
+    """LLM(model=<a Flax NNX module>): ((config, params, tokenizer), its forward) to run it
+    (paged_jax/nn: the module's params as given, cast to `dtype`); None when `model` names a
+    checkpoint. flax is imported only here, for a module.
+
+    Raises:
+      ValueError: the module misses the interface (paged_jax/nn/interface.py), or no
+        tokenizer is given and it has none of its own.
+    """
+    if model is None or isinstance(model, str | Path):
+        return None
+    from paged_jax.nn.engine_forward import cast_params, split_model
+
+    config, params, forward = split_model(model)
+    tok = module_tokenizer(tokenizer, getattr(model, "tokenizer", None), config)
+    return (config, cast_params(params, dtype), tok), forward
+
+
+def module_tokenizer(asked, own, config) -> Tokenizer:
+    """A user module's tokenizer: `asked` (a Tokenizer, a Hugging Face folder, a .gguf file
+    or a shipped model's short name, whose tokenizer is read), else the module's own."""
+    if asked is None and own is None:
+        raise ValueError("LLM(model=<module>) needs a tokenizer: pass tokenizer= (a "
+                         "Tokenizer, a Hugging Face folder, a .gguf file or a short name "
+                         "such as 'smollm2') or give the module a `tokenizer` attribute")
+    asked = own if asked is None else asked
+    if isinstance(asked, Tokenizer):
+        return asked
+    if Path(asked).expanduser().is_dir():
+        return own_tokenizer(asked, config)
+    return load_model(asked)[2]  # a checkpoint's own (its params come from the params cache)

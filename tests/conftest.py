@@ -26,7 +26,7 @@ CHECKED = [
     "paged_jax.cache.pool", "paged_jax.cache.page_table", "paged_jax.cache.kv_cache",
     "paged_jax.models", "paged_jax.sample", "paged_jax.engine.step", "paged_jax.engine.window",
     "paged_jax.engine.settle", "paged_jax.engine.state", "paged_jax.engine.step_types",
-    "paged_jax.engine.draft",
+    "paged_jax.engine.draft", "paged_jax.nn",
     "kernels",
 ]
 install_import_hook(CHECKED, "beartype.beartype")
@@ -54,7 +54,7 @@ def _bounded_jit_mappings():
 SLOW_MODULES = {
     "test_models_gemma3.py", "test_models_smollm2.py", "test_engine_gemma3.py",
     "test_experiments.py", "test_shared_prefix_experiment.py", "test_bench_serving.py",
-    "test_serve_routed.py",
+    "test_serve_routed.py", "test_nn_smollm2.py",
 }
 SLOW_TESTS = {
     "test_hybrid_state_machine.py": {"test_ten_thousand_operations"},
@@ -97,6 +97,7 @@ SLOW_TESTS = {
 # time ran out. (Their modules' own groups are replaced by this one.)
 ONE_BIG_MODEL_AT_A_TIME = {
     "test_models_qwen.py", "test_models_gemma3.py", "test_models_smollm2.py",
+    "test_nn_smollm2.py",
     "test_experiments.py::test_bench_puts_every_side_on_the_same_rows",
     # its pool child held 7.5 GB; beside a big model's test a worker was OOM-killed in CI
     "test_experiments.py::test_weight_quantization_reports_every_side_and_target",

@@ -164,3 +164,20 @@ def test_preempted_and_forked_requests_keep_their_adapter(tiny, alone, mode):
     mine = children([], tiny[3][2])
     assert children(mixed(tiny[3][:2])[:6], tiny[3][2]) == mine
     assert children([], None) != mine, "the children ran the base model"
+
+
+def test_a_snapshot_mid_run_resumes_every_adapter_s_rows(tiny, alone, tmp_path):
+    """engine/snapshot.py with adapters: the restoring engine's slots start empty and are
+    filled again on demand from the requests' LoRARequests (no adapter state is saved)."""
+    from paged_jax.engine import snapshot
+
+    eng, reqs = lora_engine(tiny), mixed(tiny[3])
+    for rid, ids, lora in reqs:
+        eng.add_request(rid, {"prompt_token_ids": ids}, GREEDY, lora_request=lora)
+    done = {o.request_id: o.outputs[0].token_ids for _ in range(3) for o in eng.step()
+            if o.finished}
+    snapshot.save(eng, tmp_path / "s")
+    fresh = lora_engine(tiny)
+    snapshot.restore(fresh, tmp_path / "s")
+    done |= {rid: toks for rid, (toks, _) in serve(fresh, []).items()}
+    assert done == alone

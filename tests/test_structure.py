@@ -50,6 +50,8 @@ LAYERS = {
     "paged_jax.cache": 1,
     "paged_jax.models": 2, "paged_jax.sample": 2,
     "paged_jax.lora": 2.5,  # adapters: read into the models' slots, placed by the engine
+    "paged_jax.nn": 2.7,  # a user's own Flax NNX model on the paged cache (the engine
+    # runs it through the forward it is given, never importing this)
     "paged_jax.engine": 3, "paged_jax.precision": 3,
     "paged_jax.llm_setup": 3.5,  # what LLM() does before building its engines
     "paged_jax.study": 4, "paged_jax.llm": 4,

@@ -45,6 +45,7 @@ from paged_jax.engine.runner import Pending, Runner, StepOutput
 from paged_jax.engine.scheduler import Scheduler, SchedulerConfig
 from paged_jax.engine.sequence import Request, Sequence
 from paged_jax.engine.speculative import check_draft
+from paged_jax.engine.state import Sleeping
 from paged_jax.lora.request import LoRARequest
 from paged_jax.models import ModelConfig, Params
 from paged_jax.outputs import RequestOutput
@@ -92,15 +93,17 @@ class Engine:
         (a device -> host read per step: for tests).
       draft: the draft model (config, parameters) of speculative_config method
         "draft_model" (engine/draft.py); it must share the model's vocabulary.
+      forward: a user's own model's forward (paged_jax/nn: `split_model`); None: ours.
     """
 
     def __init__(self, config: ModelConfig, params: Params, tokenizer: Tokenizer | None,
                  engine_config: EngineConfig, policy: Policy | None = None,
-                 check: bool = False, draft: tuple[ModelConfig, Params] | None = None):
+                 check: bool = False, draft: tuple[ModelConfig, Params] | None = None,
+                 forward=None):
         self.model_config, self.tokenizer, self.config = config, tokenizer, engine_config
         ec, self.check = engine_config, check
         check_draft(ec, config, draft)
-        self.runner = Runner(config, params, ec, draft)
+        self.runner = Runner(config, params, ec, draft, forward)
         self.kv = KVManager(ec.cache, self.runner.block_bytes, self.runner,
                             prefix_caching=ec.enable_prefix_caching,
                             swap=ec.preemption_mode == "swap", swap_space=ec.swap_space)
@@ -117,6 +120,7 @@ class Engine:
         self.stats: collections.deque[StepStats] = collections.deque(maxlen=RECENT_STEPS)
         self.recorder: list[StepStats] | None = None
         self.constraints = Constraints(tokenizer, config.vocab_size)  # structured outputs
+        self.asleep = None  # sleep mode's host copies while asleep (engine/sleep.py)
 
     def warm_up(self, level: str = "auto", progress=None) -> warmup.Report:
         """Builds the programs this configuration meets at `level` ("none", "auto",
@@ -159,6 +163,7 @@ class Engine:
         ValueError when it can never be served."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        Sleeping.check(self.asleep)
         req = inp.make_request(request_id, prompt, params or SamplingParams(), self.tokenizer,
                                self.config, self.model_config,
                                arrival_time if arrival_time is not None else time.time())

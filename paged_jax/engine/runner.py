@@ -22,13 +22,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import cpu_matmul
 from paged_jax import compile_cache
 from paged_jax.cache import kv_cache as kv_lib
 from paged_jax.cache import kv_quant
@@ -46,6 +44,13 @@ from paged_jax.engine.settle import run_ops
 from paged_jax.engine.state import EngineState, StepConfig
 from paged_jax.engine.step import run_step
 from paged_jax.engine.verify import run_verify
+from paged_jax.engine.weights import (  # noqa: F401 (matmul_backend: re-exported)
+    choose_matmul,
+    matmul_backend,
+    params_dtype,
+    refuse_for_own_model,
+    shared_weights,
+)
 from paged_jax.engine.window import decode_window
 from paged_jax.lora.manager import AdapterManager
 from paged_jax.models import ModelConfig, Params, parallel
@@ -138,54 +143,6 @@ def _restore(
     return pool, table, kv_lib.write_blocks(cache, blocks, *parts), ok
 
 
-def matmul_backend(requested: str | None, dtype) -> str:
-    """The projections' matmul (EngineConfig.matmul_backend): "cpu" (packed C++ kernel)
-    where it applies (a CPU platform, float32 or bfloat16 weights; under tensor parallelism
-    each device packs its own shard) and builds, else "xla".
-
-    Raises:
-      ValueError: "cpu" asked for where it does not apply or did not build.
-    """
-    if requested == "xla":
-        return "xla"
-    fits = jax.default_backend() == "cpu" and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
-    built = fits and cpu_matmul.load(str(compile_cache.kernel_folder()))
-    if requested == "cpu" and not built:
-        raise ValueError("the CPU matmul kernel (matmul_backend='cpu', and quantization "
-                         "'int8' / 'int4', which run on it) needs float32 or bfloat16 weights "
-                         "on CPU devices and its C++ kernel (kernels/cpu_matmul.py) built; "
-                         "use 'xla'")
-    return "cpu" if built else "xla"
-
-
-class Weights:
-    """Laid-out parameters, held by the runners that use them (weakly by `_LAID_OUT`)."""
-
-    def __init__(self, params: Params):
-        self.params = params
-
-
-_LAID_OUT: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
-
-
-def shared_weights(params: Params, key: tuple, build) -> Weights:
-    """`build()`'s laid-out parameters, built once for the same checkpoint arrays and `key`
-    (layout, device) while some runner holds them: engines beside each other on one loaded
-    model (an experiment's sides, a draft model's several configs) share one copy of the
-    weights, which no call ever writes (a second fp32 1.5B copy would not fit beside the
-    first in 24 GiB)."""
-    leaf = jax.tree.leaves(params)[0]
-    k = (id(leaf), *key)
-    if (hit := _LAID_OUT.get(k)) and hit[0]() is leaf and (held := hit[1]()) is not None:
-        return held
-    for stale in [x for x, (a, b) in _LAID_OUT.items() if a() is None or b() is None]:
-        del _LAID_OUT[stale]
-    held = Weights(build())
-    _LAID_OUT[k] = (weakref.ref(leaf), weakref.ref(held))
-    return held
-
-
-
 class Runner:
     """Parameters and device state of one engine, and the calls that change them.
 
@@ -196,23 +153,18 @@ class Runner:
       ec: the engine config.
       draft: speculative decoding's draft model (config, parameters): its K/V pages sit
         beside the target's under the same block ids (engine/draft.py).
+      forward: a user's own model's forward (paged_jax/nn/engine_forward.py), with
+        models.llama.forward's signature; its params run as given. None: our decoder.
     """
 
     def __init__(self, model: ModelConfig, params: Params, ec: EngineConfig,
-                 draft: tuple[ModelConfig, Params] | None = None):
+                 draft: tuple[ModelConfig, Params] | None = None, forward=None):
         self.model, self.config, self._held = model, ec, []
-        dtype = jax.tree.leaves(params)[0].dtype
+        if forward is not None:
+            refuse_for_own_model(ec, draft)
+        dtype = params_dtype(params)
         kv_dtype = kv_quant.storage_dtype(ec.kv_cache_dtype, dtype)
-        # Quantized on a GPU: the Pallas kernel (quantize_params), not the C++ one.
-        gpu_quant = ec.quantization is not None and jax.default_backend() == "gpu"
-        if gpu_quant and ec.tensor_parallel_size > 1:
-            raise ValueError("quantization on a GPU runs on one device for now")
-        self.matmul = ("xla" if gpu_quant else matmul_backend(
-            "cpu" if ec.quantization else ec.matmul_backend, dtype))
-        # The packed weights' type: the model's bfloat16 stays bfloat16 in the C++ kernel
-        # (half the bytes, AVX-512 BF16 dot products), with float32 activations.
-        self.weights = ec.quantization or (
-            "bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32")
+        self.matmul, self.weights = choose_matmul(ec, dtype, forward is not None)
         self.mesh, kv_heads = None, model.num_kv_heads
         if ec.tensor_parallel_size > 1:
             params = prepare_params(params)  # the forward's fast layout, built once
@@ -227,7 +179,8 @@ class Runner:
             books, pages = parallel.replicated(self.mesh), parallel.by_head(self.mesh)
         else:
             books = pages = parallel.devices(1, ec.first_device)[0]
-            params = self._lay_out(params, books)
+            params = (self._lay_out(params, books) if forward is None
+                      else jax.device_put(params, books))
         self.params, cc = params, ec.cache
         if ec.lora is not None:  # adapter slots, placed per step by the engine (lora/manager.py)
             self.adapters = AdapterManager(model, ec.lora, cc.max_seqs, books, dtype)
@@ -252,7 +205,8 @@ class Runner:
         self.state = EngineState(pool, table, cache, sampling, draft_cache)
         self.cfg = StepConfig(model, ec.backend or default_backend(), self.mesh,
                               ec.enable_prefix_caching, draft and draft[0],
-                              ec.speculative.draft_stop_probability if draft else 0.0)
+                              ec.speculative.draft_stop_probability if draft else 0.0,
+                              forward)
         self._eos = list(model.eos_token_ids)
         self.programs = PROGRAMS  # every program an engine calls (engine/programs.py)
         self._programs = 0  # programs built as of the last call

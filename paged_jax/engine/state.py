@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 from jax.sharding import Mesh
@@ -38,3 +39,16 @@ class StepConfig:
     prefix_caching: bool = False  # report newly full blocks and refcounts (StepOut)
     draft_model: ModelConfig | None = None  # speculative decoding's draft (engine/draft.py)
     draft_stop: float = 0.0  # a row stops drafting below this probability (draft.propose)
+    # the target model's forward (models.llama.forward's signature; None: that one): a
+    # user's own Flax module (paged_jax/nn/engine_forward.py), hashed by its structure
+    forward: Callable | None = None
+
+
+class Sleeping(RuntimeError):
+    """A request or call reached a sleeping engine (engine/sleep.py; servers answer 503)."""
+
+    @classmethod
+    def check(cls, asleep) -> None:
+        """Raises unless `asleep` (Engine.asleep) is None."""
+        if asleep is not None:
+            raise cls(f"the engine is asleep (level {asleep.level}): call wake_up() first")

@@ -105,7 +105,7 @@ def forward_rows(
     if shape.lora:
         kw["lora_slots"] = token_adapters(params["lora"]["kv_slot"], batch)
     logits, cache = parallel.sharded_forward(  # plain `forward` without a mesh
-        cfg.mesh, forward, cfg.model, params, state.cache, *args, **kw)
+        cfg.mesh, cfg.forward or forward, cfg.model, params, state.cache, *args, **kw)
     logits, hidden = logits if shape.hidden else (logits, _no_hidden(batch.row_slots.shape[0]))
     if not every or shape.verify:  # a verify step samples every token (engine/verify.py)
         return logits, cache, smp.PromptLogprobs.empty(), hidden

@@ -26,10 +26,12 @@ from kernels import reference as ref
 from kernels.pages import PagesLike as Pages
 from kernels.reference import flat_decode_reference, ragged_reference, tiled_reference
 from paged_jax import compile_cache
+from paged_jax.cache import kv_cache as kv_lib
+from paged_jax.cache import kv_quant
 from paged_jax.types import Array, Float, Int
 
-__all__ = ["BACKENDS", "default_backend", "paged_attention", "ragged_reference",
-           "tiled_reference", "flat_decode_reference"]
+__all__ = ["BACKENDS", "cached_attention", "default_backend", "paged_attention",
+           "ragged_reference", "tiled_reference", "flat_decode_reference"]
 
 BACKENDS = ("reference", "pallas", "pallas-triton", "pallas-mosaic", "cpu")
 
@@ -107,3 +109,35 @@ def paged_attention(
             window=window, decode_kernel=backend.partition("-")[2] or "auto",
         )
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+
+
+def cached_attention(
+    q: Float[Array, "T Q D"],
+    k: Float[Array, "T H D"],
+    v: Float[Array, "T H D"],
+    kv: tuple[Pages, Pages],
+    cache_positions: Int[Array, "T"],
+    block_tables: Int[Array, "S P"],
+    seq_lens: Int[Array, "S"],
+    query_start: Int[Array, "S+1"],
+    **attn,
+) -> tuple[Float[Array, "T Q D"], tuple[Pages, Pages]]:
+    """One layer's step on the paged cache: the new tokens' K/V written at their cache
+    positions, then `paged_attention` (its keyword arguments in `attn`) over the pages. The
+    one path every decoder takes, our functions' and a user's Flax module's (paged_jax/nn):
+    int8 pages hold K/V rotated (kv_quant.rotation), so q, k, v are rotated on the way in and
+    the output rotated back.
+
+    Returns:
+      ([T, Q, D] attention output, the layer's (K, V) pages with this step's tokens).
+    """
+    spin = kv_quant.rotation(kv[0].dtype, q.shape[-1])
+    if spin is not None:
+        q, k, v = (y @ spin.astype(y.dtype) for y in (q, k, v))
+    with jax.named_scope("kv_write"):  # named scopes: experiments/step_profile.py's kinds
+        kv = kv_lib.write_layer(*kv, cache_positions, k, v)
+    with jax.named_scope("attention"):
+        o = paged_attention(q, *kv, block_tables, seq_lens, query_start, **attn)
+    if spin is not None:
+        o = o @ spin.T.astype(o.dtype)
+    return o, kv

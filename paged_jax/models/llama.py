@@ -43,6 +43,7 @@ llama.cpp's interleaved q/k. D2 in annotations is D / 2 (one inverse frequency p
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -52,12 +53,10 @@ from kernels import cpu_matmul
 from kernels.cpu_matmul import Packed
 from kernels.pages import Pages
 from kernels.quant_matmul import QuantWeight, quant_matmul
-from paged_jax.cache import kv_cache as kv_lib
-from paged_jax.cache import kv_quant
 from paged_jax.cache.kv_cache import KVCache
 from paged_jax.models import moe
 from paged_jax.models import parallel as tp_lib
-from paged_jax.models.attention import paged_attention
+from paged_jax.models.attention import cached_attention
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.lora_ops import prepare as lora_prepare
 from paged_jax.models.lora_ops import with_delta
@@ -74,7 +73,9 @@ from paged_jax.models.param_forms import (  # noqa: F401 (the forms' functions, 
 from paged_jax.models.rope import inv_frequencies, rope, rope_tables
 from paged_jax.types import Array, Float, Int
 
-Params = dict[str, Any]
+Params = Mapping[str, Any]
+"""Ours are dicts; the engine also runs a user's Flax module's state (an nnx.State, a
+Mapping: paged_jax/nn) through the same step programs."""
 
 
 def rms_norm(
@@ -103,7 +104,8 @@ def attention_block(
     p: Params, x: Float[Array, "T E"], kv: tuple[Pages, Pages], batch: tuple,
     rot: tuple[Array, Array], config: ModelConfig, attn: dict,
 ) -> tuple[Float[Array, "T E"], tuple[Pages, Pages]]:
-    """Self-attention of one layer: project, RoPE, write K/V to the pages, paged attention.
+    """Self-attention of one layer: project, RoPE, then `cached_attention` (K/V written to
+    the pages, paged attention: models/attention.py, the path a Flax module takes too).
 
     `kv` is this layer's (K, V) pages (KVCache.layer); `rot` the (cos, sin) of
     `rope_tables`; `attn` the static keyword arguments of `paged_attention` (max_q, backend,
@@ -126,15 +128,8 @@ def attention_block(
         q = _qk_norm(q, p["q_norm"], config.rms_norm_eps, whole)
         k = _qk_norm(k, p["k_norm"], config.rms_norm_eps, whole)
     q, k = rope(q, *rot), rope(k, *rot)
-    spin = kv_quant.rotation(kv[0].dtype, d)  # int8 pages hold K/V rotated (kv_quant.py)
-    if spin is not None:
-        q, k, v = (y @ spin.astype(y.dtype) for y in (q, k, v))
-    with jax.named_scope("kv_write"):
-        kv = kv_lib.write_layer(*kv, cache_pos, k, v)
-    with jax.named_scope("attention"):
-        o = paged_attention(q, *kv, block_tables, seq_lens, query_start, **attn)
-    if spin is not None:
-        o = o @ spin.T.astype(o.dtype)
+    o, kv = cached_attention(q, k, v, kv, cache_pos, block_tables, seq_lens, query_start,
+                             **attn)
     o = o.reshape(t, -1).astype(x.dtype)
     o = with_lora(linear(o, p["wo"]), o, p, "lora_o", batch)
     if tp:

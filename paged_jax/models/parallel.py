@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import jax
@@ -257,7 +258,7 @@ def gather_logits(logits: jax.Array, vocab: int) -> jax.Array:
     return full[:, :vocab]
 
 
-def sharded_forward(mesh: Mesh | None, forward, config: ModelConfig, params: dict, cache,
+def sharded_forward(mesh: Mesh | None, forward, config: ModelConfig, params: Mapping, cache,
                     *args, **kw):
     """`forward(params, cache, *args, config=, **kw)` (models.llama.forward) per device, with
     this device's config and tp=True; without a mesh, simply `forward`."""

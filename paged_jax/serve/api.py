@@ -29,12 +29,13 @@ import time
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from paged_jax.engine.sleep import Sleeping
 from paged_jax.llm import LLM
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.routing.router import RoutedLLM
+from paged_jax.serve import admin, sse
 from paged_jax.serve import protocol as proto
-from paged_jax.serve import sse
 from paged_jax.serve.async_engine import AsyncEngine, QueueFull, RequestStream
 from paged_jax.serve.fields import param_of, show
 from paged_jax.serve.metrics import ServerMetrics
@@ -89,6 +90,7 @@ def build_app(llm: LLM | RoutedLLM, model_name: str | None = None,
     app.state.models, app.state.router, app.state.metrics = models, router_, metrics
     app.add_exception_handler(proto.BadRequest, _bad_request)
     app.include_router(router)
+    app.include_router(admin.router)
     return app
 
 
@@ -240,7 +242,7 @@ async def _submit(app, srv: Served | None, prompts: list, params, rid: str) -> l
             streams[-1].served = srv
         for s in streams:
             await s.peek()
-    except QueueFull as e:
+    except (QueueFull, Sleeping) as e:
         _close(streams)
         raise proto.BadRequest(str(e), status=503) from None
     except ValueError as e:  # the engine's own check: prompt too long, bad values, ...

@@ -17,6 +17,7 @@ answer 503) instead of letting the queue grow without bound.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import queue
 import threading
@@ -168,6 +169,13 @@ class AsyncEngine:
         """Engine.narrow_outputs, applied on the engine thread."""
         self._inbox.put(("narrow", request_id, logprobs, return_hidden_states))
 
+    def call(self, fn: Callable[[Engine], object]) -> concurrent.futures.Future:
+        """Runs `fn(engine)` on the engine thread between steps (sleep, wake_up: nothing
+        else may touch the engine); its result or exception arrives on the future."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", fn, fut))
+        return fut
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stops the loop after its current step; open streams end with an error.
 
@@ -259,6 +267,12 @@ class AsyncEngine:
                                         lora_request=lora)
             except Exception as e:  # noqa: BLE001 - the caller gets the engine's own error
                 self._deliver(rid, e)
+        elif cmd[0] == "call":
+            _, fn, fut = cmd
+            try:
+                fut.set_result(fn(self.engine))
+            except Exception as e:  # noqa: BLE001 - the caller's to report
+                fut.set_exception(e)
         elif cmd[0] == "narrow":
             self.engine.narrow_outputs(*cmd[1:])
         elif cmd[0] == "abort":

@@ -1,0 +1,158 @@
+"""Engine snapshots and sleep mode: seconds and bytes with a full KV pool, and orbax beside a
+plain safetensors writer for the same state.
+
+    python -m experiments.snapshot [--models smollm2 qwen2.5-coder-1.5b] [--rounds 3]
+
+Per model, one LLM (its defaults: dtype "auto", a 1 GiB pool; max_num_seqs 64, 2048 tokens a
+step) is filled: 64 requests of distinct random-token prompts sized so that their K/V take 90%
+of the pool's blocks are prefilled (each has sampled its first token), then:
+  save / restore   LLM.save_state (engine/snapshot.py: one orbax checkpoint of the device
+                   state's arrays, the host mirror pickled beside them) and restore_state
+                   into the same LLM emptied of its requests; the restored engine's next
+                   step is checked to be the step the saved one would have run (same tokens)
+  safetensors      the same leaves and host blob written with safetensors.numpy.save_file
+                   and read back with load_file + device_put (no atomic commit, no checks):
+                   the plain writer the issue asks orbax to be compared with
+  sleep / wake     LLM.sleep(1) + wake_up() and sleep(2) + wake_up() (which reloads the
+                   weights from the model's file) on the emptied LLM; bytes freed
+Sides alternate round by round; medians and every round are saved. Writes
+results/snapshot.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from experiments import common
+from paged_jax.engine import snapshot
+from paged_jax.sampling_params import SamplingParams
+
+FILL = 0.9
+
+
+def fill(llm) -> int:
+    """Adds 64 requests whose prompts take FILL of the pool and steps until each has sampled
+    its first token; returns the blocks in use."""
+    eng = llm.llm_engine
+    ec, rng = eng.config, np.random.default_rng(0)
+    per = int(ec.num_kv_blocks * FILL / 64) * ec.block_size - 1
+    per = min(per, ec.max_model_len - 8)
+    vocab = eng.model_config.vocab_size
+    for i in range(64):
+        ids = rng.integers(100, min(vocab, 30000), per).tolist()
+        eng.add_request(f"fill-{i}", {"prompt_token_ids": ids},
+                        SamplingParams(temperature=0.8, seed=i, max_tokens=64))
+    while any(not r.seqs[0].output_ids for r in eng.requests.values()):
+        eng.step()
+    eng.drain()
+    return eng.kv.blocks_used()
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() \
+        else path.stat().st_size
+
+
+def orbax_round(llm, work: Path) -> dict:
+    eng, path = llm.llm_engine, work / "orbax"
+    t0 = time.perf_counter()
+    llm.save_state(str(path))
+    t1 = time.perf_counter()
+    before = {r: len(q.seqs[0].tokens) for r, q in eng.requests.items()}
+    for rid in list(eng.requests):
+        eng.abort(rid)
+    t2 = time.perf_counter()
+    llm.restore_state(str(path))
+    jax.block_until_ready(eng.runner.state)
+    t3 = time.perf_counter()
+    assert {r: len(q.seqs[0].tokens) for r, q in eng.requests.items()} == before
+    size = folder_bytes(path)
+    shutil.rmtree(path)
+    return {"save_s": t1 - t0, "restore_s": t3 - t2, "bytes": size}
+
+
+def safetensors_round(llm, work: Path) -> dict:
+    from safetensors.numpy import load_file, save_file
+
+    eng, path = llm.llm_engine, work / "plain.safetensors"
+    t0 = time.perf_counter()
+    eng.drain()
+    arrays = {k: np.asarray(v) for k, v in snapshot._flat(eng.runner.state).items()}
+    arrays["host"] = np.frombuffer(snapshot._pickle_host(eng, {}), np.uint8)
+    save_file(arrays, str(path))
+    t1 = time.perf_counter()
+    back = load_file(str(path))
+    like = snapshot._flat(eng.runner.state)
+    placed = jax.device_put([back[k] for k in like], [x.sharding for x in like.values()])
+    jax.block_until_ready(placed)
+    t2 = time.perf_counter()
+    size = folder_bytes(path)
+    path.unlink()
+    return {"save_s": t1 - t0, "restore_s": t2 - t1, "bytes": size}
+
+
+def sleep_rounds(llm) -> dict:
+    out = {}
+    for level in (1, 2):
+        t0 = time.perf_counter()
+        freed = llm.sleep(level)
+        t1 = time.perf_counter()
+        llm.wake_up()
+        jax.block_until_ready(llm.llm_engine.runner.params)
+        out[f"level{level}"] = {"sleep_s": t1 - t0, "wake_s": time.perf_counter() - t1,
+                                "freed_bytes": freed}
+    return out
+
+
+def run_model(name: str, rounds: int, work: Path) -> dict:
+    from paged_jax.llm import LLM
+
+    llm = LLM(name, max_num_seqs=64, max_model_len=2048, max_num_batched_tokens=2048)
+    used = fill(llm)
+    weights = sum(x.nbytes for x in jax.tree.leaves(llm.llm_engine.runner.params))
+    sides = {"orbax": [], "safetensors": []}
+    for r in range(rounds):
+        for side in common.rotated(list(sides), r):
+            fn = orbax_round if side == "orbax" else safetensors_round
+            sides[side].append(fn(llm, work))
+    for rid in list(llm.llm_engine.requests):
+        llm.llm_engine.abort(rid)
+    med = {s: {k: statistics.median(x[k] for x in runs) for k in runs[0]}
+           for s, runs in sides.items()}
+    faster = {part: min(med, key=lambda s, p=part: med[s][p]) for part in ("save_s",
+                                                                          "restore_s")}
+    ec = llm.engine_config
+    return {"model": name, "dtype": llm.dtype_choice["dtype"], "num_kv_blocks": ec.num_kv_blocks,
+            "blocks_used": used, "weights_bytes": weights, "requests": 64, "median": med,
+            "faster": faster, "rounds": sides, "sleep": sleep_rounds(llm)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["smollm2", "qwen2.5-coder-1.5b"])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            rows.append(run_model(name, args.rounds, Path(tmp)))
+            m = rows[-1]["median"]
+            print(f"{name}: {rows[-1]['blocks_used']}/{rows[-1]['num_kv_blocks']} blocks; "
+                  f"orbax save {m['orbax']['save_s']:.2f} s restore {m['orbax']['restore_s']:.2f} "
+                  f"s {m['orbax']['bytes'] / 2**20:.0f} MiB; safetensors save "
+                  f"{m['safetensors']['save_s']:.2f} s restore "
+                  f"{m['safetensors']['restore_s']:.2f} s {m['safetensors']['bytes'] / 2**20:.0f}"
+                  f" MiB; sleep {rows[-1]['sleep']}", flush=True)
+    common.save_json("snapshot", {"rows": rows, "fill": FILL, "rounds": args.rounds})
+
+
+if __name__ == "__main__":
+    main()
