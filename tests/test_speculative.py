@@ -290,3 +290,19 @@ def test_llm_and_server_take_vllms_speculative_config():
         accepted = metric(text, "vllm:spec_decode_num_accepted_tokens_total")
         assert metric(text, "vllm:spec_decode_num_drafts_total") > 0
         assert 0 < accepted <= drafts
+
+
+def test_an_n_gt_1_prompt_forks_in_a_plain_step_not_a_verify():
+    """A verify call does not fork: an n > 1 prompt whose last token was left to a decode
+    step beside rows with drafts once had its children's rows written unforked, leaving a
+    dead slot holding a length (the host mirror check after every step caught it). This
+    mix (snapshot_helpers' first 8 requests) leaves such a token."""
+    from tests.snapshot_helpers import workload
+
+    reqs = workload()[:8]
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    eng = engine(speculative=spec, num_kv_blocks=400, decode_window=1)
+    done = run(eng, reqs)
+    assert sorted(done) == sorted(r for r, _, _ in reqs)
+    assert all(len(done[r].outputs) == sp.n for r, _, sp in reqs)
+    assert eng.scheduler.spec.num_drafts > 0
