@@ -61,42 +61,70 @@ def folder_bytes(path: Path) -> int:
         else path.stat().st_size
 
 
-def orbax_round(llm, work: Path) -> dict:
-    eng, path = llm.llm_engine, work / "orbax"
+def kept_round(llm, work: Path) -> dict:
+    """LLM.save_state / restore_state as built (engine/snapshot_files.py), the whole state."""
+    eng, path = llm.llm_engine, work / "kept"
     t0 = time.perf_counter()
     llm.save_state(str(path))
     t1 = time.perf_counter()
-    before = {r: len(q.seqs[0].tokens) for r, q in eng.requests.items()}
+    before = {r: list(q.seqs[0].tokens) for r, q in eng.requests.items()}
     for rid in list(eng.requests):
         eng.abort(rid)
     t2 = time.perf_counter()
     llm.restore_state(str(path))
     jax.block_until_ready(eng.runner.state)
     t3 = time.perf_counter()
-    assert {r: len(q.seqs[0].tokens) for r, q in eng.requests.items()} == before
+    assert {r: list(q.seqs[0].tokens) for r, q in eng.requests.items()} == before
     size = folder_bytes(path)
     shutil.rmtree(path)
-    return {"save_s": t1 - t0, "restore_s": t3 - t2, "bytes": size}
+    return {"all": {"save_s": t1 - t0, "restore_s": t3 - t2, "bytes": size}}
+
+
+def parts(eng) -> dict[str, dict]:
+    """The state as the snapshot splits it: the K/V pages, and the small arrays with the
+    host mirror's pickle."""
+    eng.drain()
+    small, pages = snapshot._parts(eng.runner.state)
+    small["host"] = jax.device_put(np.frombuffer(snapshot._pickle_host(eng, {}), np.uint8))
+    return {"pages": pages, "small": small}
+
+
+def orbax_round(llm, work: Path) -> dict:
+    import orbax.checkpoint as ocp
+
+    out = {}
+    for part, tree in parts(llm.llm_engine).items():
+        path = work / f"orbax-{part}"
+        t0 = time.perf_counter()
+        with ocp.StandardCheckpointer() as ck:
+            ck.save(path, tree)
+        t1 = time.perf_counter()
+        like = {k: ocp.utils.to_shape_dtype_struct(x) for k, x in tree.items()}
+        with ocp.StandardCheckpointer() as ck:
+            jax.block_until_ready(ck.restore(path, like))
+        out[part] = {"save_s": t1 - t0, "restore_s": time.perf_counter() - t1,
+                     "bytes": folder_bytes(path)}
+        shutil.rmtree(path)
+    return out
 
 
 def safetensors_round(llm, work: Path) -> dict:
     from safetensors.numpy import load_file, save_file
 
-    eng, path = llm.llm_engine, work / "plain.safetensors"
-    t0 = time.perf_counter()
-    eng.drain()
-    arrays = {k: np.asarray(v) for k, v in snapshot._flat(eng.runner.state).items()}
-    arrays["host"] = np.frombuffer(snapshot._pickle_host(eng, {}), np.uint8)
-    save_file(arrays, str(path))
-    t1 = time.perf_counter()
-    back = load_file(str(path))
-    like = snapshot._flat(eng.runner.state)
-    placed = jax.device_put([back[k] for k in like], [x.sharding for x in like.values()])
-    jax.block_until_ready(placed)
-    t2 = time.perf_counter()
-    size = folder_bytes(path)
-    path.unlink()
-    return {"save_s": t1 - t0, "restore_s": t2 - t1, "bytes": size}
+    out = {}
+    for part, tree in parts(llm.llm_engine).items():
+        path = work / f"plain-{part}.safetensors"
+        t0 = time.perf_counter()
+        raw = {k: np.asarray(x) for k, x in tree.items()}
+        save_file({k: x.reshape(-1).view(np.uint8) for k, x in raw.items()}, str(path))
+        t1 = time.perf_counter()
+        back = load_file(str(path))
+        host = [back[k].view(raw[k].dtype).reshape(raw[k].shape) for k in tree]
+        jax.block_until_ready(jax.device_put(host, [x.sharding for x in tree.values()]))
+        out[part] = {"save_s": t1 - t0, "restore_s": time.perf_counter() - t1,
+                     "bytes": folder_bytes(path)}
+        path.unlink()
+    return out
 
 
 def sleep_rounds(llm) -> dict:
@@ -118,17 +146,17 @@ def run_model(name: str, rounds: int, work: Path) -> dict:
     llm = LLM(name, max_num_seqs=64, max_model_len=2048, max_num_batched_tokens=2048)
     used = fill(llm)
     weights = sum(x.nbytes for x in jax.tree.leaves(llm.llm_engine.runner.params))
-    sides = {"orbax": [], "safetensors": []}
+    sides = {"kept": [], "orbax": [], "safetensors": []}
+    fns = {"kept": kept_round, "orbax": orbax_round, "safetensors": safetensors_round}
     for r in range(rounds):
         for side in common.rotated(list(sides), r):
-            fn = orbax_round if side == "orbax" else safetensors_round
-            sides[side].append(fn(llm, work))
+            sides[side].append(fns[side](llm, work))
     for rid in list(llm.llm_engine.requests):
         llm.llm_engine.abort(rid)
-    med = {s: {k: statistics.median(x[k] for x in runs) for k in runs[0]}
-           for s, runs in sides.items()}
-    faster = {part: min(med, key=lambda s, p=part: med[s][p]) for part in ("save_s",
-                                                                          "restore_s")}
+    med = {s: {part: {k: statistics.median(x[part][k] for x in runs) for k in runs[0][part]}
+               for part in runs[0]} for s, runs in sides.items()}
+    faster = {f"{part} {k}": min(("orbax", "safetensors"), key=lambda s: med[s][part][k])
+              for part in ("pages", "small") for k in ("save_s", "restore_s")}
     ec = llm.engine_config
     return {"model": name, "dtype": llm.dtype_choice["dtype"], "num_kv_blocks": ec.num_kv_blocks,
             "blocks_used": used, "weights_bytes": weights, "requests": 64, "median": med,
@@ -145,12 +173,12 @@ def main() -> None:
         for name in args.models:
             rows.append(run_model(name, args.rounds, Path(tmp)))
             m = rows[-1]["median"]
-            print(f"{name}: {rows[-1]['blocks_used']}/{rows[-1]['num_kv_blocks']} blocks; "
-                  f"orbax save {m['orbax']['save_s']:.2f} s restore {m['orbax']['restore_s']:.2f} "
-                  f"s {m['orbax']['bytes'] / 2**20:.0f} MiB; safetensors save "
-                  f"{m['safetensors']['save_s']:.2f} s restore "
-                  f"{m['safetensors']['restore_s']:.2f} s {m['safetensors']['bytes'] / 2**20:.0f}"
-                  f" MiB; sleep {rows[-1]['sleep']}", flush=True)
+            print(f"{name}: {rows[-1]['blocks_used']}/{rows[-1]['num_kv_blocks']} blocks")
+            for side, by_part in m.items():
+                for part, v in by_part.items():
+                    print(f"  {side:12s} {part:6s} save {v['save_s']:.3f} s  restore "
+                          f"{v['restore_s']:.3f} s  {v['bytes'] / 2**20:.1f} MiB")
+            print(f"  faster: {rows[-1]['faster']}; sleep: {rows[-1]['sleep']}", flush=True)
     common.save_json("snapshot", {"rows": rows, "fill": FILL, "rounds": args.rounds})
 
 

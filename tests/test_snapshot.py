@@ -92,18 +92,44 @@ def test_a_snapshot_of_another_engine_is_refused_by_name(tmp_path, what, parts, 
     assert not other.requests  # nothing was installed
 
 
-def test_a_corrupt_or_partial_snapshot_fails_cleanly_and_the_engine_goes_on(tmp_path):
+@pytest.mark.parametrize("part", ["pages", "small"])
+def test_a_corrupt_or_partial_snapshot_fails_cleanly_and_the_engine_goes_on(tmp_path, part):
     path = saved(tmp_path)
     eng = engine()
-    for f in sorted((path / "device").rglob("*")):
-        if f.is_file() and f.stat().st_size > 0 and "metadata" not in f.name:
-            f.write_bytes(b"\0" * 7)  # truncated: the arrays cannot be read back
+    if part == "pages":  # the K/V pages cut short
+        data = (path / "pages.safetensors").read_bytes()
+        (path / "pages.safetensors").write_bytes(data[: len(data) // 2])
+    else:  # orbax's array files overwritten
+        for f in sorted((path / "orbax" / "small").rglob("*")):
+            if f.is_file() and f.stat().st_size > 0 and "metadata" not in f.name:
+                f.write_bytes(b"\0" * 7)
     with pytest.raises(snapshot.SnapshotError, match="incomplete or corrupt"):
         snapshot.restore(eng, path)
+    partial = tmp_path / "t.partial-123-0"
+    shutil.copytree(path, partial)
+    with pytest.raises(snapshot.SnapshotError, match="unfinished save"):
+        snapshot.restore(eng, partial)
     with pytest.raises(snapshot.SnapshotError, match="no snapshot"):
-        snapshot.restore(eng, tmp_path / "s.orbax-checkpoint-tmp-123")
+        snapshot.restore(eng, tmp_path / "nothing")
     out = sh.finish(_one(eng))
     assert out["x"][0][2] == "length"  # the engine was left as it was, and serves
+
+
+def test_a_save_cut_short_leaves_no_snapshot(tmp_path, monkeypatch):
+    """The commit is the last rename: a writer failing before it leaves neither the path
+    nor its temporary folder."""
+    from paged_jax.engine import snapshot_files
+
+    eng = _one(engine())
+    eng.step()
+    monkeypatch.setattr(snapshot_files, "save_file", mock_fail)
+    with pytest.raises(OSError, match="disk full"):
+        snapshot.save(eng, tmp_path / "s")
+    assert list(tmp_path.iterdir()) == []
+
+
+def mock_fail(*_a, **_k):
+    raise OSError("disk full")
 
 
 def _one(eng):

@@ -1,16 +1,15 @@
-"""Engine snapshots: everything an engine holds, saved whole with orbax-checkpoint, so that an
-engine of the same model and layout in another process continues every request with exactly
-the tokens it would have produced without stopping.
+"""Engine snapshots: everything an engine holds, saved whole, so that an engine of the same
+model and layout in another process continues every request with exactly the tokens it would
+have produced without stopping.
 
-    save(engine, path)      drains the step in flight, then writes one orbax checkpoint:
-        "device"  the EngineState pytree (pool, page tables, K/V pages, sampling state,
-                  the draft model's pages) as saved arrays, and "host": the host mirror
-                  (requests and their sequences, queues, the KV manager's facts and queued
-                  ops, the prefix cache, swapped-out blocks, stop-string tails) pickled
-                  into one uint8 array of the same tree;
-        "meta"    JSON: what the snapshot fits (model config, weights digest, engine layout,
-                  every state leaf's shape and dtype), read first by `restore`.
-    restore(engine, path)   refuses a snapshot of another model, dtype or layout (naming the
+    save(engine, path)     drains the step in flight, then writes (engine/snapshot_files.py):
+        the device state (EngineState: pool, page tables and sampling state through orbax,
+        the K/V pages through safetensors); the host mirror (requests and their sequences,
+        queues, the KV manager's facts and queued ops, the prefix cache, swapped-out
+        blocks, sampler seeds, stop-string tails) pickled into one uint8 array beside the
+        small arrays; and JSON metadata of what the snapshot fits (model config, weights
+        digest, engine layout, every state leaf's dtype and shape), read first by `restore`.
+    restore(engine, path)  refuses a snapshot of another model, dtype or layout (naming the
         first difference), reads everything into new objects, and only then replaces the
         engine's: a partial or corrupt snapshot raises SnapshotError and leaves it as it was.
 
@@ -19,8 +18,7 @@ sequences point at it, the KV manager's owners at the sequences); one pickle kee
 identities, where a JSON schema of every field would be a second writer of each fact.
 Objects the new engine builds itself (tokenizer, runner, KV manager, scheduler, policy,
 structured-output compiler) are written as references and bound to the new engine's on load.
-orbax writes into a temporary folder and renames it when complete (atomic commit): a save cut
-short never leaves a snapshot that looks whole, and `save` never writes over one.
+LoRA slots are not saved: restored requests name their adapters, read again on demand.
 """
 
 from __future__ import annotations
@@ -38,16 +36,16 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from paged_jax.engine import snapshot_files as files
+from paged_jax.engine.snapshot_files import SnapshotError
+from paged_jax.engine.state import EngineState
+
 if TYPE_CHECKING:
     from paged_jax.engine.engine import Engine
 
 FORMAT = 1
 _SCHEDULER_OWN = ("config", "kv", "tokenizer", "policy")  # the new engine's, never saved
 _KV_OWN = ("config", "device", "block_bytes", "swap", "swap_space", "_windows")
-
-
-class SnapshotError(ValueError):
-    """A snapshot that does not fit this engine, or cannot be read whole."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,13 +66,10 @@ def save(engine: Engine, path: str | Path, extra: dict | None = None) -> Snapsho
     t0 = time.perf_counter()
     engine.drain()  # no call in flight: the host mirror is exact, the device state final
     host = np.frombuffer(_pickle_host(engine, extra or {}), np.uint8)
-    tree = {"state": _flat(engine.runner.state), "host": host}
+    small, pages = _parts(engine.runner.state)
     meta = {**fingerprint(engine), "requests": len(engine.requests), "saved": time.time(),
             "host_bytes": int(host.size)}
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ck:
-        ck.save(path, args=ocp.args.Composite(device=ocp.args.StandardSave(tree),
-                                              meta=ocp.args.JsonSave(meta)))
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    size = files.write(path, meta, {**small, "host": host}, pages)
     return SnapshotStats(time.perf_counter() - t0, size, len(engine.requests))
 
 
@@ -86,22 +81,40 @@ def restore(engine: Engine, path: str | Path) -> dict:
     if engine.has_unfinished() or engine.requests:
         raise RuntimeError(f"restore needs an idle engine: it holds {len(engine.requests)} "
                            "unfinished requests (finish or abort them first)")
-    meta = _read(path, "meta", ocp.args.JsonRestore())
+    meta = files.read_meta(path)
     if meta.get("format") != FORMAT:
         raise SnapshotError(f"{path}: snapshot format {meta.get('format')!r}, this version "
                             f"reads {FORMAT}")
     mismatch(meta, fingerprint(engine), path)
     state = engine.runner.state
-    abstract = {"state": {k: ocp.utils.to_shape_dtype_struct(x)
-                          for k, x in _flat(state).items()},
-                "host": jax.ShapeDtypeStruct((meta["host_bytes"],), np.uint8)}
-    tree = _read(path, "device", ocp.args.StandardRestore(abstract))
-    host = _unpickle_host(engine, np.asarray(tree["host"]).tobytes(), path)
+    small, pages = _parts(state)
+    like = {k: ocp.utils.to_shape_dtype_struct(x) for k, x in small.items()}
+    got = files.read_small(path, {**like, "host": jax.ShapeDtypeStruct(
+        (meta["host_bytes"],), np.uint8)})
+    host = _unpickle_host(engine, np.asarray(got.pop("host")).tobytes(), path)
     _reread_adapters(engine, host["requests"], path)
-    leaves = [tree["state"][k] for k in sorted(tree["state"])]
-    engine.runner.state = jax.tree.unflatten(jax.tree.structure(state), leaves)
+    got |= files.read_pages(path, meta, pages)
+    engine.runner.state = _joined(state, got)
     _install_host(engine, host)
     return host["extra"]
+
+
+def _parts(state: EngineState) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """The state's leaves by name: the small arrays (pool, page tables, sampling state) and
+    the K/V pages (the model's and a draft model's)."""
+    small = (state.pool, state.table, state.sampling)
+    return ({f"s{i:04d}": x for i, x in enumerate(jax.tree.leaves(small))},
+            {f"p{i:04d}": x for i, x in enumerate(jax.tree.leaves((state.cache,
+                                                                    state.draft)))})
+
+
+def _joined(like: EngineState, leaves: dict[str, jax.Array]) -> EngineState:
+    """An EngineState of `like`'s structure from the leaves `_parts` named."""
+    small = jax.tree.unflatten(jax.tree.structure((like.pool, like.table, like.sampling)),
+                               [leaves[k] for k in sorted(leaves) if k[0] == "s"])
+    cache, draft = jax.tree.unflatten(jax.tree.structure((like.cache, like.draft)),
+                                      [leaves[k] for k in sorted(leaves) if k[0] == "p"])
+    return EngineState(*small[:2], cache, small[2], draft)
 
 
 def _reread_adapters(engine: Engine, requests: dict, path: Path) -> None:
@@ -159,12 +172,6 @@ def mismatch(saved: dict, here: dict, path: Path) -> None:
         raise SnapshotError(f"{path} was saved from other {part} ({a!r}, here {b!r})")
 
 
-def _flat(tree: Any) -> dict[str, Any]:
-    """The leaves by number: orbax sees plain dicts (it rebuilds a tree's nodes with
-    placeholders, which the typed state dataclasses refuse), and the folder names no class."""
-    return {f"{i:04d}": x for i, x in enumerate(jax.tree.leaves(tree))}
-
-
 def _check_savable(engine: Engine) -> None:
     if engine.config.tensor_parallel_size > 1:
         raise NotImplementedError("save_state runs on one device per engine for now "
@@ -219,20 +226,6 @@ def _install_host(engine: Engine, host: dict) -> None:
         setattr(engine.scheduler, k, itertools.count(v))
     for k, v in host["kv"].items():
         setattr(engine.kv, k, v)
-
-
-def _read(path: Path, item: str, args) -> Any:
-    """One item of the checkpoint at `path`; SnapshotError when it is missing or unreadable."""
-    if not path.is_dir():
-        raise SnapshotError(f"no snapshot at {path}" + (
-            " (an unfinished save: orbax's temporary folder)" if ".orbax-checkpoint-tmp"
-            in path.name else ""))
-    try:
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ck:
-            return ck.restore(path, args=ocp.args.Composite(**{item: args}))[item]
-    except Exception as e:
-        raise SnapshotError(f"{path} is incomplete or corrupt: cannot read its {item} "
-                            f"({type(e).__name__}: {e})") from e
 
 
 def _plain(x: Any) -> Any:
