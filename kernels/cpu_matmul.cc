@@ -482,6 +482,7 @@ ffi::Error packed_matmul_int4_coded(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
 }
 
 #include "cpu_argmax.h"  // greedy sampling's row argmax
+#include "cpu_logprobs.h"  // the sampled rows' logprobs, ranks and top J
 
 }  // namespace
 
@@ -525,6 +526,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RowArgmax, row_argmax,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [S, V]
                                   .Ret<ffi::Buffer<ffi::S32>>());  // [S]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RowLogprobs, row_logprobs,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [S, V]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // tokens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // active [S]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // chosen [S]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // rank [S]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // top_ids [S, J]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // top_lp [S, J]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulBf16, packed_matmul_bf16,
                               ffi::Ffi::Bind()

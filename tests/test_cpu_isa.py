@@ -210,3 +210,24 @@ def test_attention_nan_and_inf_stay_in_their_query_head(isa):
     bad[1, 2] = bad[3, 0] = bad[9, 1] = True
     assert np.isnan(want[bad]).all() and np.isfinite(want[~bad]).all()
     np.testing.assert_allclose(run_attention(args, isa), want, rtol=1e-5, atol=1e-5)
+
+
+def test_row_logprobs_match_float64_on_every_isa(isa):
+    """kernels/cpu_logprobs.h (its own vector exp, a double sum) against float64 log_softmax:
+    logprobs, ranks and the top J, on a row with ties and a row of the 152k vocabulary."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((3, 152064)) * 5).astype(np.float32)
+    x[1, :1000] = np.round(x[1, :1000])  # ties: the lower id first
+    tokens, active = np.array([5, 7, 9], np.int32), np.array([1, 1, 0], np.int32)
+    got = [np.asarray(a) for a in jax.jit(functools.partial(
+        cpu_matmul.row_logprobs, num_top=20, isa=isa))(x, tokens, active)]
+    x64 = x.astype(np.float64)
+    lsm = x64 - x64.max(1, keepdims=True)
+    lsm -= np.log(np.exp(lsm).sum(1, keepdims=True))
+    for r in (0, 1):
+        order = np.lexsort((np.arange(x.shape[1]), -x[r]))[:20]
+        np.testing.assert_array_equal(got[2][r], order)
+        np.testing.assert_allclose(got[3][r], lsm[r, order], rtol=0, atol=2e-6)
+        np.testing.assert_allclose(got[0][r], lsm[r, tokens[r]], rtol=0, atol=2e-6)
+        assert got[1][r] == 1 + (x[r] > x[r, tokens[r]]).sum()
+    assert not any(a[2].any() for a in got)

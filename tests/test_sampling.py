@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kernels import cpu_matmul
 from paged_jax.sample.sampler import (
     FINISH_EOS,
     FINISH_LENGTH,
@@ -433,3 +434,33 @@ def test_logprobs_of_the_sampled_rows_only_match_all_rows(dtype):
         np.testing.assert_array_equal(np.asarray(a)[on], np.asarray(b)[on])
     if jax.default_backend() == "cpu":
         assert not np.asarray(some.top_ids)[~on].any() and not np.asarray(some.ranks)[~on].any()
+
+
+@pytest.mark.parametrize("v, j", [(257, 0), (3000, 4), (49155, 20), (152064, 20)])
+def test_the_cpu_logprobs_kernel_and_the_xla_loop_match_gather(v, j):
+    """kernels/cpu_logprobs.h (what with_logprobs runs on CPU) and gather_active (its
+    fallback where the kernel does not build) against gather: ties to the lower id, ranks
+    counted exactly, inactive rows zeros."""
+    from paged_jax.sample import logprobs as lp
+    from paged_jax.sample.sampler import _cpu_argmax
+
+    rng = np.random.default_rng(v)
+    x = (rng.standard_normal((6, v)) * 4).astype(np.float32)
+    x[1] = rng.integers(0, 5, v)  # ties everywhere
+    x[2] = 0.5  # one value
+    x[4, ::3] = 9.0
+    logits, tokens = jnp.asarray(x), jnp.asarray(rng.integers(0, v, 6), jnp.int32)
+    active = jnp.asarray([True, True, True, False, True, True])
+    want = [np.asarray(a) for a in lp.gather(logits, tokens, j)]
+    sides = {"loop": lp.gather_active(logits, tokens, j, active)}
+    if _cpu_argmax():
+        sides["kernel"] = cpu_matmul.row_logprobs(logits, tokens, active, j)
+    on = np.asarray(active)
+    for name, got in sides.items():
+        got = [np.asarray(a) for a in got]
+        for k in (0, 3):  # logprobs: the kernel's own exp, within float rounding
+            np.testing.assert_allclose(got[k][on], want[k][on], rtol=1e-6, atol=2e-6,
+                                       err_msg=name)
+        for k in (1, 2):
+            np.testing.assert_array_equal(got[k][on], want[k][on], err_msg=name)
+        assert not any(a[~on].any() for a in got), name

@@ -266,8 +266,12 @@ def sample(
 def with_logprobs(logits: Float[Array, "S V"], tokens: Int[Array, "S"],
                   flags: SampleFlags, active: Bool[Array, "S"] | None = None) -> SampleResult:
     """`tokens` with their raw logprobs, ranks and the top J (what `sample` reports); with
-    `active` on CPU, computed for those rows only (the others: zeros)."""
-    if active is not None and jax.default_backend() == "cpu":
+    `active` on CPU, computed for those rows only (the others: zeros), by the C++ kernel
+    where it builds (two vectorized passes a row; XLA's loop of gather_active took 1.05-1.08x
+    a request's time for 20 logprobs of a 152k vocabulary)."""
+    if active is not None and _cpu_argmax():  # the C++ row kernel (kernels/cpu_logprobs.h)
+        found = cpu_matmul.row_logprobs(logits, tokens, active, flags.num_top_logprobs)
+    elif active is not None and jax.default_backend() == "cpu":
         found = lp.gather_active(logits, tokens, flags.num_top_logprobs, active)
     else:
         found = lp.gather(logits, tokens, flags.num_top_logprobs)
