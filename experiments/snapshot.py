@@ -15,13 +15,16 @@ of the pool's blocks are prefilled (each has sampled its first token), then:
                    the plain writer the issue asks orbax to be compared with
   sleep / wake     LLM.sleep(1) + wake_up() and sleep(2) + wake_up() (which reloads the
                    weights from the model's file) on the emptied LLM; bytes freed
-Sides alternate round by round; medians and every round are saved. Writes
-results/snapshot.json.
+Sides alternate round by round; medians and every round are saved. Before each timed save the
+page cache's dirty pages are flushed (os.sync, untimed): a write then costs its own bytes, not
+the flushing of the side before it; no side fsyncs its own files (a killed process loses
+nothing written; a machine that loses power may). Writes results/snapshot.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import tempfile
@@ -64,6 +67,7 @@ def folder_bytes(path: Path) -> int:
 def kept_round(llm, work: Path) -> dict:
     """LLM.save_state / restore_state as built (engine/snapshot_files.py), the whole state."""
     eng, path = llm.llm_engine, work / "kept"
+    os.sync()  # every side starts with no dirty pages to flush (timings then measure writes)
     t0 = time.perf_counter()
     llm.save_state(str(path))
     t1 = time.perf_counter()
@@ -95,6 +99,7 @@ def orbax_round(llm, work: Path) -> dict:
     out = {}
     for part, tree in parts(llm.llm_engine).items():
         path = work / f"orbax-{part}"
+        os.sync()
         t0 = time.perf_counter()
         with ocp.StandardCheckpointer() as ck:
             ck.save(path, tree)
@@ -114,6 +119,7 @@ def safetensors_round(llm, work: Path) -> dict:
     out = {}
     for part, tree in parts(llm.llm_engine).items():
         path = work / f"plain-{part}.safetensors"
+        os.sync()
         t0 = time.perf_counter()
         raw = {k: np.asarray(x) for k, x in tree.items()}
         save_file({k: x.reshape(-1).view(np.uint8) for k, x in raw.items()}, str(path))
