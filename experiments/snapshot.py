@@ -14,7 +14,8 @@ of the pool's blocks are prefilled (each has sampled its first token), then:
                    and read back with load_file + device_put (no atomic commit, no checks):
                    the plain writer the issue asks orbax to be compared with
   sleep / wake     LLM.sleep(1) + wake_up() and sleep(2) + wake_up() (which reloads the
-                   weights from the model's file) on the emptied LLM; bytes freed
+                   weights from the model's file), on the LLM before it is filled (a pool's
+                   arrays are the same bytes full or empty); the device bytes freed
 Sides alternate round by round; medians and every round are saved. Before each timed save the
 page cache's dirty pages are flushed (os.sync, untimed): a write then costs its own bytes, not
 the flushing of the side before it; no side fsyncs its own files (a killed process loses
@@ -150,8 +151,13 @@ def run_model(name: str, rounds: int, work: Path) -> dict:
     from paged_jax.llm import LLM
 
     llm = LLM(name, max_num_seqs=64, max_model_len=2048, max_num_batched_tokens=2048)
+    rn = llm.llm_engine.runner
+    weights = sum(x.nbytes for x in jax.tree.leaves(rn.params))
+    kv = sum(x.nbytes for x in jax.tree.leaves(rn.state))
+    # first: orbax's side below keeps copies of what it restored alive (about 2 GiB here),
+    # which a sleep afterwards would count as freed
+    sleeps = sleep_rounds(llm)
     used = fill(llm)
-    weights = sum(x.nbytes for x in jax.tree.leaves(llm.llm_engine.runner.params))
     sides = {"kept": [], "orbax": [], "safetensors": []}
     fns = {"kept": kept_round, "orbax": orbax_round, "safetensors": safetensors_round}
     for r in range(rounds):
@@ -166,7 +172,7 @@ def run_model(name: str, rounds: int, work: Path) -> dict:
     ec = llm.engine_config
     return {"model": name, "dtype": llm.dtype_choice["dtype"], "num_kv_blocks": ec.num_kv_blocks,
             "blocks_used": used, "weights_bytes": weights, "requests": 64, "median": med,
-            "faster": faster, "rounds": sides, "sleep": sleep_rounds(llm)}
+            "faster": faster, "rounds": sides, "state_bytes": kv, "sleep": sleeps}
 
 
 def main() -> None:
