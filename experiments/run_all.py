@@ -22,12 +22,14 @@ from experiments import (
     lora,
     memory_breakdown,
     moe,
+    nnx_step,
     preemption,
     routing,
     sampling_sharing,
     scaling,
     shared_prefix,
     sliding_window_kv,
+    snapshot,
     speculative,
     speculative_draft,
     step_profile,
@@ -63,6 +65,8 @@ FULL = [
     (structured_outputs, dict(argv=[])),
     (moe, dict(argv=[])),
     (lora, dict(argv=[])),
+    (nnx_step, dict(argv=[])),
+    (snapshot, dict(argv=[])),
     (bench_serving, dict(argv=["--requests", "32", "--rates", "1", "2", "inf", "--offline"]
                           + (["--vllm-python", str(VLLM)] if VLLM.exists() else []))),
     (test_times, dict(argv=[])),  # `make test` cold and warm, last: it runs the suite twice

@@ -175,11 +175,11 @@ def run_model(name: str, rounds: int, work: Path) -> dict:
             "faster": faster, "rounds": sides, "state_bytes": kv, "sleep": sleeps}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["smollm2", "qwen2.5-coder-1.5b"])
     ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
