@@ -94,44 +94,51 @@ def parts(eng) -> dict[str, dict]:
     return {"pages": pages, "small": small}
 
 
+def timed_parts(llm, work: Path, name: str, save, load) -> dict:
+    """Each part of the state written by `save(path, {name: array})` and read back by
+    `load(path, like) -> leaves` (placed on the device), timed."""
+    out = {}
+    for part, tree in parts(llm.llm_engine).items():
+        path = work / f"{name}-{part}"
+        os.sync()  # every side starts with no dirty pages to flush
+        t0 = time.perf_counter()
+        save(path, tree)
+        t1 = time.perf_counter()
+        jax.block_until_ready(load(path, tree))
+        out[part] = {"save_s": t1 - t0, "restore_s": time.perf_counter() - t1,
+                     "bytes": folder_bytes(path)}
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return out
+
+
 def orbax_round(llm, work: Path) -> dict:
     import orbax.checkpoint as ocp
 
-    out = {}
-    for part, tree in parts(llm.llm_engine).items():
-        path = work / f"orbax-{part}"
-        os.sync()
-        t0 = time.perf_counter()
+    def save(path, tree):
         with ocp.StandardCheckpointer() as ck:
             ck.save(path, tree)
-        t1 = time.perf_counter()
+
+    def load(path, tree):
         like = {k: ocp.utils.to_shape_dtype_struct(x) for k, x in tree.items()}
         with ocp.StandardCheckpointer() as ck:
-            jax.block_until_ready(ck.restore(path, like))
-        out[part] = {"save_s": t1 - t0, "restore_s": time.perf_counter() - t1,
-                     "bytes": folder_bytes(path)}
-        shutil.rmtree(path)
-    return out
+            return ck.restore(path, like)
+
+    return timed_parts(llm, work, "orbax", save, load)
 
 
 def safetensors_round(llm, work: Path) -> dict:
     from safetensors.numpy import load_file, save_file
 
-    out = {}
-    for part, tree in parts(llm.llm_engine).items():
-        path = work / f"plain-{part}.safetensors"
-        os.sync()
-        t0 = time.perf_counter()
+    def save(path, tree):
         raw = {k: np.asarray(x) for k, x in tree.items()}
         save_file({k: x.reshape(-1).view(np.uint8) for k, x in raw.items()}, str(path))
-        t1 = time.perf_counter()
+
+    def load(path, tree):
         back = load_file(str(path))
-        host = [back[k].view(raw[k].dtype).reshape(raw[k].shape) for k in tree]
-        jax.block_until_ready(jax.device_put(host, [x.sharding for x in tree.values()]))
-        out[part] = {"save_s": t1 - t0, "restore_s": time.perf_counter() - t1,
-                     "bytes": folder_bytes(path)}
-        path.unlink()
-    return out
+        host = [back[k].view(x.dtype).reshape(x.shape) for k, x in tree.items()]
+        return jax.device_put(host, [x.sharding for x in tree.values()])
+
+    return timed_parts(llm, work, "plain", save, load)
 
 
 def sleep_rounds(llm) -> dict:

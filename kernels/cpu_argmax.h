@@ -50,29 +50,77 @@ int32_t first_argmax(const float* x, int64_t n) {
   return static_cast<int32_t>(where);  // all -inf (or empty): index 0, as jnp.argmax
 }
 
+// Runs fn(r) for r in [0, count) over the pool's threads, rows taken from a shared counter
+// (the caller works too); a helper joins per `per_helper` rows (fewer are not worth waking it).
+template <typename Fn>
+void for_rows(ffi::ThreadPool& pool, int64_t count, int64_t per_helper, Fn fn) {
+  struct Shared {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  auto worker = [shared, count, fn]() {
+    for (int64_t r; (r = shared->next.fetch_add(1)) < count;) {
+      fn(r);
+      shared->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count / per_helper);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(worker)(worker));
+  worker();
+  while (shared->done.load(std::memory_order_acquire) < count) {
+  }
+}
+
 ffi::Error row_argmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                       ffi::ResultBuffer<ffi::S32> out) {
   auto d = x.dimensions();
   if (d.size() != 2 || out->dimensions().size() != 1 || out->dimensions()[0] != d[0])
     return ffi::Error::InvalidArgument("row argmax: expected x [S, V] and out [S]");
-  const int64_t rows = d[0], n = d[1];
+  const int64_t n = d[1];
   const float* xs = x.typed_data();
   int32_t* ys = out->typed_data();
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  auto worker = [shared, rows, n, xs, ys]() {
-    for (int64_t r; (r = shared->next.fetch_add(1)) < rows;) {
-      ys[r] = n ? first_argmax(xs + r * n, n) : 0;
-      shared->done.fetch_add(1, std::memory_order_release);
-    }
-  };
   // A row is about 10 us: helpers only where there are rows enough to share.
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), rows / 4);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(worker)(worker));
-  worker();
-  while (shared->done.load(std::memory_order_acquire) < rows) {
+  for_rows(pool, d[0], 4, [=](int64_t r) { ys[r] = n ? first_argmax(xs + r * n, n) : 0; });
+  return ffi::Error::Success();
+}
+
+// The argmax of a row whose `blocked` ids (min_tokens' EOS and stop ids, -1: none) count as
+// -inf, as jnp.argmax answers for the row with them set to -inf: the plain pass first, and
+// only when it lands on a blocked id (rare: the model wants to stop before min_tokens) a
+// second pass that skips them. It spares the sampler writing -inf into a copy of the whole
+// [S, V] logits (sample/sampler.py).
+static bool in_list(int64_t i, const int32_t* ids, int64_t k) {
+  for (int64_t b = 0; b < k; ++b)
+    if (ids[b] == i) return true;
+  return false;
+}
+
+static int32_t argmax_skipping(const float* x, int64_t n, const int32_t* ids, int64_t k) {
+  int32_t got = first_argmax(x, n);
+  if (!in_list(got, ids, k)) return got;
+  float best = -INFINITY;
+  int64_t where = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = in_list(i, ids, k) ? -INFINITY : x[i];
+    if (v != v) return static_cast<int32_t>(i);  // a NaN: jnp.argmax's first NaN
+    if (v > best) best = v, where = i;
   }
+  return static_cast<int32_t>(where);
+}
+
+ffi::Error row_argmax_blocked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                              ffi::Buffer<ffi::S32> blocked, ffi::ResultBuffer<ffi::S32> out) {
+  auto d = x.dimensions();
+  auto bd = blocked.dimensions();
+  if (d.size() != 2 || bd.size() != 2 || bd[0] != d[0] || out->dimensions()[0] != d[0])
+    return ffi::Error::InvalidArgument(
+        "row argmax: expected x [S, V], blocked [S, B] and out [S]");
+  const int64_t n = d[1], k = bd[1];
+  const float* xs = x.typed_data();
+  const int32_t* bs = blocked.typed_data();
+  int32_t* ys = out->typed_data();
+  for_rows(pool, d[0], 4, [=](int64_t r) {
+    ys[r] = n ? argmax_skipping(xs + r * n, n, bs + r * k, k) : 0;
+  });
   return ffi::Error::Success();
 }

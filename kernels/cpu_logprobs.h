@@ -130,28 +130,16 @@ ffi::Error row_logprobs(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   for (int64_t r = 0; r < rows; ++r)
     if (act[r] && tok[r] >= 0 && tok[r] < n) live->push_back(r);
   const int64_t count = static_cast<int64_t>(live->size());
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  auto worker = [=]() {
-    for (int64_t k; (k = shared->next.fetch_add(1)) < count;) {
-      const int64_t r = (*live)[k];
-      const float* row = xs + r * n;
-      const float mx = max_and_top(row, n, j, tl + r * j, ti + r * j);
-      int32_t above = 0;
-      const float norm = log_norm_and_rank(row, n, mx, row[tok[r]], &above);
-      ch[r] = (row[tok[r]] - mx) - norm;
-      rk[r] = above + 1;
-      for (int64_t q = 0; q < j; ++q) tl[r * j + q] = (tl[r * j + q] - mx) - norm;
-      shared->done.fetch_add(1, std::memory_order_release);
-    }
-  };
   // A row of a 152k vocabulary is tens of us: a helper from two rows on.
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count / 2);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(worker)(worker));
-  worker();
-  while (shared->done.load(std::memory_order_acquire) < count) {
-  }
+  for_rows(pool, count, 2, [=](int64_t k) {
+    const int64_t r = (*live)[k];
+    const float* row = xs + r * n;
+    const float mx = max_and_top(row, n, j, tl + r * j, ti + r * j);
+    int32_t above = 0;
+    const float norm = log_norm_and_rank(row, n, mx, row[tok[r]], &above);
+    ch[r] = (row[tok[r]] - mx) - norm;
+    rk[r] = above + 1;
+    for (int64_t q = 0; q < j; ++q) tl[r * j + q] = (tl[r * j + q] - mx) - norm;
+  });
   return ffi::Error::Success();
 }

@@ -527,6 +527,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RowArgmax, row_argmax,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [S, V]
                                   .Ret<ffi::Buffer<ffi::S32>>());  // [S]
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RowArgmaxBlocked, row_argmax_blocked,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [S, V]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // blocked ids [S, B]
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // [S]
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RowLogprobs, row_logprobs,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

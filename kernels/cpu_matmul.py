@@ -57,6 +57,7 @@ TARGET_INT4_CODED = "paged_jax_cpu_packed_matmul_int4_coded"
 TARGET_BF16 = "paged_jax_cpu_packed_matmul_bf16"
 TARGET_ARGMAX = "paged_jax_cpu_row_argmax"
 TARGET_LOGPROBS = "paged_jax_cpu_row_logprobs"
+TARGET_ARGMAX_BLOCKED = "paged_jax_cpu_row_argmax_blocked"
 NR = 16  # output columns per panel (cpu_matmul.cc's kNR)
 GROUP = weight_codes.GROUP  # inputs per scale (GGUF's Q4 block): never straddles a TP shard of 32
 WEIGHT_TYPES = ("float32", "bfloat16", "int8", "int4")
@@ -285,7 +286,8 @@ def _load(folder: str, isa: str) -> bool:
                            TARGET_INT8: "PackedMatmulInt8",
                            TARGET_INT4: "PackedMatmulInt4",
                            TARGET_INT4_CODED: "PackedMatmulInt4Coded",
-                           TARGET_ARGMAX: "RowArgmax", TARGET_LOGPROBS: "RowLogprobs"}, isa)
+                           TARGET_ARGMAX: "RowArgmax", TARGET_LOGPROBS: "RowLogprobs",
+                           TARGET_ARGMAX_BLOCKED: "RowArgmaxBlocked"}, isa)
 
 
 PATH_BF16_DOT = 32  # PagedJaxIsaPaths' bit: AVX-512 BF16 dot products compiled in
@@ -324,31 +326,6 @@ def matmul(x: jax.Array, w: Packed, isa: str | None = None) -> jax.Array:
                        else (TARGET_INT4_CODED, (w.mins, w.supers)))
         out = call(target)(x2, w.panels, w.scales, *ops, quantize_x=np.int32(w.quantize_x))
     return out.reshape(*lead, w.n)
-
-
-def row_argmax(x: jax.Array, isa: str | None = None) -> jax.Array:
-    """x [S, V] -> [S] int32, each row's first maximum (a NaN row: its first NaN), as
-    jnp.argmax(x, axis=1) answers; the kernel of cpu_argmax.h (call `load` first)."""
-    if x.ndim != 2:
-        raise ValueError(f"row_argmax: expected x [S, V], got shape {x.shape}")
-    out = jax.ShapeDtypeStruct((x.shape[0],), jnp.int32)
-    return jax.ffi.ffi_call(cpp_build.target(TARGET_ARGMAX, isa), out)(x.astype(jnp.float32))
-
-
-def row_logprobs(x: jax.Array, tokens: jax.Array, active: jax.Array, num_top: int,
-                 isa: str | None = None) -> tuple[jax.Array, ...]:
-    """Of each active row of raw logits x [S, V]: log_softmax(x)[token] [S], the token's rank
-    [S] (1 + entries above it), the top `num_top` ids [S, J] (ties: the lower id first) and
-    their log_softmax [S, J]; inactive rows zeros. The kernel of cpu_logprobs.h (call `load`
-    first); sample/logprobs.py's `gather` is the reference."""
-    if x.ndim != 2:
-        raise ValueError(f"row_logprobs: expected x [S, V], got shape {x.shape}")
-    s = x.shape[0]
-    out = (jax.ShapeDtypeStruct((s,), jnp.float32), jax.ShapeDtypeStruct((s,), jnp.int32),
-           jax.ShapeDtypeStruct((s, num_top), jnp.int32),
-           jax.ShapeDtypeStruct((s, num_top), jnp.float32))
-    return jax.ffi.ffi_call(cpp_build.target(TARGET_LOGPROBS, isa), out)(
-        x.astype(jnp.float32), tokens.astype(jnp.int32), active.astype(jnp.int32))
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import cpp_build, cpu_attention, cpu_matmul
+from kernels import cpp_build, cpu_attention, cpu_matmul, cpu_rows
 from paged_jax import compile_cache
 from tests.attention_helpers import naive
 
@@ -220,7 +220,7 @@ def test_row_logprobs_match_float64_on_every_isa(isa):
     x[1, :1000] = np.round(x[1, :1000])  # ties: the lower id first
     tokens, active = np.array([5, 7, 9], np.int32), np.array([1, 1, 0], np.int32)
     got = [np.asarray(a) for a in jax.jit(functools.partial(
-        cpu_matmul.row_logprobs, num_top=20, isa=isa))(x, tokens, active)]
+        cpu_rows.row_logprobs, num_top=20, isa=isa))(x, tokens, active)]
     x64 = x.astype(np.float64)
     lsm = x64 - x64.max(1, keepdims=True)
     lsm -= np.log(np.exp(lsm).sum(1, keepdims=True))
@@ -231,3 +231,22 @@ def test_row_logprobs_match_float64_on_every_isa(isa):
         np.testing.assert_allclose(got[0][r], lsm[r, tokens[r]], rtol=0, atol=2e-6)
         assert got[1][r] == 1 + (x[r] > x[r, tokens[r]]).sum()
     assert not any(a[2].any() for a in got)
+
+
+def test_argmax_with_blocked_ids_is_argmax_of_the_row_with_them_at_minus_inf(isa):
+    """cpu_argmax.h's row_argmax_blocked (greedy sampling under min_tokens): the rows'
+    maxima blocked, not blocked, a NaN row, no ids at all (-1), ties to the lower id."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((5, 3001)).astype(np.float32)
+    x[0, 17] = x[0, 99] = 50.0  # blocked max: the next best
+    x[1, 5] = 40.0  # its max is not blocked
+    x[2, 2000] = np.nan
+    x[4, [3, 8]] = 30.0  # blocked 3: tie left is 8
+    blocked = np.array([[17, 99, -1], [6, -1, -1], [2000, -1, -1], [-1, -1, -1],
+                        [3, -1, -1]], np.int32)
+    got = np.asarray(jax.jit(functools.partial(cpu_rows.row_argmax, isa=isa))(
+        x, blocked=blocked))
+    want = x.copy()
+    for r, ids in enumerate(blocked):
+        want[r, ids[ids >= 0]] = -np.inf
+    np.testing.assert_array_equal(got, np.argmax(want, axis=1))

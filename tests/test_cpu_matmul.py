@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import cpp_build, cpu_matmul
+from kernels import cpp_build, cpu_matmul, cpu_rows
 from paged_jax import compile_cache
 from paged_jax.engine import EngineConfig
 from paged_jax.engine.runner import matmul_backend
@@ -249,6 +249,6 @@ def test_row_argmax_answers_as_jnp_argmax(s, v):
         x[1], x[2] = -np.inf, 3.0
         x[3, [v // 2, v - 1, v // 3]] = np.nan
         x[4, [v // 5, v // 7, v - 1]] = 50.0
-    got = np.asarray(jax.jit(cpu_matmul.row_argmax)(jnp.asarray(x)))
+    got = np.asarray(jax.jit(cpu_rows.row_argmax)(jnp.asarray(x)))
     np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=1)))
     assert got.dtype == np.int32

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import cpu_matmul
+from kernels import cpu_rows
 from paged_jax.sample.sampler import (
     FINISH_EOS,
     FINISH_LENGTH,
@@ -454,7 +454,7 @@ def test_the_cpu_logprobs_kernel_and_the_xla_loop_match_gather(v, j):
     want = [np.asarray(a) for a in lp.gather(logits, tokens, j)]
     sides = {"loop": lp.gather_active(logits, tokens, j, active)}
     if _cpu_argmax():
-        sides["kernel"] = cpu_matmul.row_logprobs(logits, tokens, active, j)
+        sides["kernel"] = cpu_rows.row_logprobs(logits, tokens, active, j)
     on = np.asarray(active)
     for name, got in sides.items():
         got = [np.asarray(a) for a in got]

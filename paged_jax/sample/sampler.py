@@ -27,7 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels import cpu_matmul
+from kernels import cpu_matmul, cpu_rows
 from paged_jax import compile_cache
 from paged_jax.sample import grammar
 from paged_jax.sample import logprobs as lp
@@ -118,9 +118,8 @@ class SampleResult:
 
 
 def apply_min_tokens(logits: Float[Array, "S V"], state: SamplingState) -> Float[Array, "S V"]:
-    """Masks EOS (even with ignore_eos) and stop ids to -inf while num_generated < min_tokens.
-
-    A scatter of S x 2M entries, not an [S, V] mask: cheap enough to run in every step.
+    """Masks EOS (even with ignore_eos) and stop ids to -inf while num_generated < min_tokens:
+    a scatter of S x 2M entries (into a copy of the logits where they are read again).
 
     Args:
       logits: [S, V] logits.
@@ -129,12 +128,17 @@ def apply_min_tokens(logits: Float[Array, "S V"], state: SamplingState) -> Float
     Returns:
       [S, V] logits with the blocked tokens at -inf.
     """
-    ids = jnp.concatenate([state.stop_ids, state.eos_ids], axis=1)
-    blocked = (ids >= 0) & (state.num_generated < state.min_tokens)[:, None]
+    ids = blocked_ids(state)
     rows = jnp.arange(ids.shape[0])[:, None]
     # Unblocked entries go to column V, which mode="drop" discards.
-    cols = jnp.where(blocked, ids, logits.shape[1])
+    cols = jnp.where(ids >= 0, ids, logits.shape[1])
     return logits.at[rows, cols].set(-jnp.inf, mode="drop")
+
+
+def blocked_ids(state: SamplingState) -> Int[Array, "S B"]:
+    """Each row's ids that min_tokens blocks now (EOS and stop ids), -1 where none."""
+    ids = jnp.concatenate([state.stop_ids, state.eos_ids], axis=1)
+    return jnp.where((state.num_generated < state.min_tokens)[:, None], ids, -1)
 
 
 def apply_penalties(logits: Float[Array, "S V"], state: SamplingState) -> Float[Array, "S V"]:
@@ -208,7 +212,7 @@ def first_argmax(x: Float[Array, "S V"]) -> Int[Array, "S"]:
     jnp.argmax. On CPU the C++ row kernel (kernels/cpu_argmax.h): XLA:CPU's argmax reduces
     one row at a time without vectors (1.8 ms at 16 rows of a 49k vocabulary, 6.9 at 64)."""
     if _cpu_argmax():
-        return cpu_matmul.row_argmax(x)
+        return cpu_rows.row_argmax(x)
     return jnp.argmax(x, axis=1).astype(jnp.int32)
 
 
@@ -246,15 +250,12 @@ def sample(
     """
     flags = flags or SampleFlags(num_top_logprobs=num_top_logprobs)
     logits = constrained(logits, flags, masks)
-    processed = _processed(logits, state, flags)
-    greedy = first_argmax(processed)
-    tokens = greedy
-    if flags.random:
-        is_greedy = state.temperature == 0.0
-        # Drawing costs a random number per vocab entry per row; all-greedy batches skip it.
-        draw = functools.partial(_draw, filters=flags.filters)
-        drawn = jax.lax.cond(is_greedy.all(), lambda *_: greedy, draw, processed, state)
-        tokens = jnp.where(is_greedy, greedy, drawn)
+    if _cpu_argmax() and not (flags.random or flags.bias or flags.penalties):
+        # the kernel skips min_tokens' blocked ids: writing them copied [S, V] (64 rows of a
+        # 152k vocabulary: a short request 10% slower, page faults of the fresh 39 MB)
+        tokens = cpu_rows.row_argmax(logits.astype(jnp.float32), blocked=blocked_ids(state))
+    else:
+        tokens = _tokens(logits, state, flags)
     if not (flags.logprobs or flags.num_top_logprobs):
         zf, zi = jnp.zeros(tokens.shape, jnp.float32), jnp.zeros(tokens.shape, jnp.int32)
         s = tokens.shape[0]
@@ -263,14 +264,26 @@ def sample(
     return with_logprobs(logits, tokens, flags, active)
 
 
+def _tokens(logits: Float[Array, "S V"], state: SamplingState,
+            flags: SampleFlags) -> Int[Array, "S"]:
+    """Each row's token from its processed logits: the argmax, or a draw for random rows."""
+    processed = _processed(logits, state, flags)
+    greedy = first_argmax(processed)
+    if not flags.random:
+        return greedy
+    is_greedy = state.temperature == 0.0
+    # Drawing costs a random number per vocab entry per row; all-greedy batches skip it.
+    draw = functools.partial(_draw, filters=flags.filters)
+    drawn = jax.lax.cond(is_greedy.all(), lambda *_: greedy, draw, processed, state)
+    return jnp.where(is_greedy, greedy, drawn)
+
+
 def with_logprobs(logits: Float[Array, "S V"], tokens: Int[Array, "S"],
                   flags: SampleFlags, active: Bool[Array, "S"] | None = None) -> SampleResult:
     """`tokens` with their raw logprobs, ranks and the top J (what `sample` reports); with
-    `active` on CPU, computed for those rows only (the others: zeros), by the C++ kernel
-    where it builds (two vectorized passes a row; XLA's loop of gather_active took 1.05-1.08x
-    a request's time for 20 logprobs of a 152k vocabulary)."""
+    `active` on CPU, for those rows only (the others: zeros), by the C++ kernel if built."""
     if active is not None and _cpu_argmax():  # the C++ row kernel (kernels/cpu_logprobs.h)
-        found = cpu_matmul.row_logprobs(logits, tokens, active, flags.num_top_logprobs)
+        found = cpu_rows.row_logprobs(logits, tokens, active, flags.num_top_logprobs)
     elif active is not None and jax.default_backend() == "cpu":
         found = lp.gather_active(logits, tokens, flags.num_top_logprobs, active)
     else:
