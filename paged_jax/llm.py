@@ -290,9 +290,10 @@ class LLM:
         """Brings the weights and a fresh KV cache back; no program compiles again. After
         level 2, `params` (checkpoint form) replace the weights; None reloads the model's."""
         for e in self.replicas:
-            if e.asleep is not None and e.asleep.level == 2 and params is None:
-                params = self._reload()
-            sleep_lib.wake_up(e, params if e.asleep and e.asleep.level == 2 else None)
+            deep = e.asleep is not None and e.asleep.level == 2
+            if deep and params is None:
+                params = self._reload()  # once, for every replica
+            sleep_lib.wake_up(e, params if deep else None)
 
     def is_sleeping(self) -> bool:
         return self.llm_engine.asleep is not None

@@ -94,10 +94,12 @@ def test_sleep_discards_the_prefix_cache():
     eng.check, _ = True, tokens(eng)  # the host mirror agrees with the fresh device state
 
 
-def test_llm_sleep_level_2_reloads_the_weights_itself():
+def test_an_llm_of_model_parts_wakes_from_level_2_only_with_the_weights_given():
+    """It has no file to reload them from (LLM(model=...) does: the real-weights test)."""
     llm = LLM(model_parts=own_parts(8), **ENGINE)
+    llm.sleep(2)
     with pytest.raises(ValueError, match="model_parts"):
-        llm.sleep(2), llm.wake_up()
+        llm.wake_up()
     llm.wake_up(params=own_parts(8)[1])
     assert not llm.is_sleeping()
     out = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
