@@ -166,34 +166,40 @@ struct Call {
   int64_t o[kMaxTargets], off[kMaxTargets];
   int64_t t, n, in, kr, rank, width, k;
   std::vector<int64_t> ids, starts;
-  std::vector<float> h;  // [T, kR]
+  std::vector<int64_t> active;  // the slots holding tokens, in order
+  std::vector<float> h;         // [T, kR]
 };
 
-// h rows [r0, r1) of every grouped token: a weight row read once for up to kTok tokens.
+// h of every grouped token for units [u0, u1): unit u is row u % kR of the u / kR-th active
+// slot, so a part walks a's rows in memory order, whole slots at a time when each holds a
+// token or two (many adapters: the call is a stream of a's bytes), and prefetches two rows
+// ahead across a slot's end too. Each weight row is read once for up to kTok tokens.
 template <typename W>
-void shrink_rows(Call& c, int64_t r0, int64_t r1) {
+void shrink_units(Call& c, int64_t u0, int64_t u1) {
   const W* a = static_cast<const W*>(c.a);
-  for (int64_t j = 0; j < c.n; ++j)
+  auto row_of = [&c, a](int64_t u) { return a + (c.active[u / c.kr] * c.kr + u % c.kr) * c.in; };
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t j = c.active[u / c.kr], r = u % c.kr;
+    const W* row = row_of(u);
+#ifdef __AVX512F__
+    if (u + 2 < u1)
+      for (int64_t line = 0; line < c.in * int64_t(sizeof(W)); line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row_of(u + 2)) + line, _MM_HINT_T0);
+#endif
     for (int64_t i = c.starts[j]; i < c.starts[j + 1]; i += kTok) {
       const int tokens = static_cast<int>(std::min<int64_t>(kTok, c.starts[j + 1] - i));
       const float* xs[kTok];
       for (int q = 0; q < tokens; ++q) xs[q] = c.x + c.ids[i + q] * c.in;
-      for (int64_t r = r0; r < r1; ++r) {
-        const W* row = a + (j * c.kr + r) * c.in;
-#ifdef __AVX512F__
-        for (int64_t line = 0; line < c.in * int64_t(sizeof(W)); line += 64)  // 2 rows ahead
-          _mm_prefetch(reinterpret_cast<const char*>(row + 2 * c.in) + line, _MM_HINT_T0);
-#endif
-        float s[kTok];
-        switch (tokens) {
-          case 4: dots<W, 4>(row, xs, c.in, s); break;
-          case 3: dots<W, 3>(row, xs, c.in, s); break;
-          case 2: dots<W, 2>(row, xs, c.in, s); break;
-          default: dots<W, 1>(row, xs, c.in, s);
-        }
-        for (int q = 0; q < tokens; ++q) c.h[c.ids[i + q] * c.kr + r] = s[q];
+      float s[kTok];
+      switch (tokens) {
+        case 4: dots<W, 4>(row, xs, c.in, s); break;
+        case 3: dots<W, 3>(row, xs, c.in, s); break;
+        case 2: dots<W, 2>(row, xs, c.in, s); break;
+        default: dots<W, 1>(row, xs, c.in, s);
       }
+      for (int q = 0; q < tokens; ++q) c.h[c.ids[i + q] * c.kr + r] = s[q];
     }
+  }
 }
 
 // out[tok, o0..o1) = y + the strip's delta (at most kStrip outputs of one target) for kT
@@ -257,11 +263,12 @@ void expand_strip(const W* b, const float* const* hs, const Y* const* ys, Y* con
 }
 #endif
 
-// Output columns [c0, c1) (of all targets side by side) of every grouped token.
+// Output columns [c0, c1) (of all targets side by side) of the tokens of active slots
+// [s0, s1).
 template <typename W, typename Y>
-void expand_cols(Call& c, int64_t c0, int64_t c1) {
-  for (int64_t j = 0; j < c.n; ++j)
-    for (int64_t i = c.starts[j]; i < c.starts[j + 1]; i += kTok) {
+void expand(Call& c, int64_t s0, int64_t s1, int64_t c0, int64_t c1) {
+  for (int64_t k = s0; k < s1; ++k)
+    for (int64_t j = c.active[k], i = c.starts[j]; i < c.starts[j + 1]; i += kTok) {
       const int tokens = static_cast<int>(std::min<int64_t>(kTok, c.starts[j + 1] - i));
       const float* hs[kTok];
       const Y* ys[kTok];
@@ -300,17 +307,30 @@ template <typename W, typename Y>
 void run(ffi::ThreadPool& pool, Call& c) {
   group(c.slots, c.t, c.n, c.ids, c.starts);
   keep_rows(c, sizeof(Y));
-  const int64_t m = static_cast<int64_t>(c.ids.size());
+  c.active.clear();
+  for (int64_t j = 0; j < c.n; ++j)
+    if (c.starts[j + 1] > c.starts[j]) c.active.push_back(j);
+  const int64_t m = static_cast<int64_t>(c.ids.size()), slots = c.active.size();
   c.h.assign(c.t * c.kr, 0.f);
-  const int64_t rows = std::min(c.kr, parts_for(pool, m * c.kr * c.in));
-  in_parts(pool, rows, [&c, rows](int64_t p) {
-    shrink_rows<W>(c, c.kr * p / rows, c.kr * (p + 1) / rows);
+  const int64_t units = slots * c.kr;
+  const int64_t rows = std::min(units, parts_for(pool, m * c.kr * c.in));
+  in_parts(pool, rows, [&c, rows, units](int64_t p) {
+    shrink_units<W>(c, units * p / rows, units * (p + 1) / rows);
   });
+  // The expand's parts: whole slots when there are enough to share out (each part streams
+  // its slots' b), else strips of columns (one adapter's many tokens).
+  const int64_t parts = parts_for(pool, m * c.width * c.rank);
+  if (slots >= parts) {
+    in_parts(pool, parts, [&c, parts, slots](int64_t p) {
+      expand<W, Y>(c, slots * p / parts, slots * (p + 1) / parts, 0, c.width);
+    });
+    return;
+  }
   const int64_t strips = (c.width + kStrip - 1) / kStrip;
-  const int64_t cols = std::min(strips, parts_for(pool, m * c.width * c.rank));
-  in_parts(pool, cols, [&c, cols, strips](int64_t p) {
-    expand_cols<W, Y>(c, std::min(c.width, strips * p / cols * kStrip),
-                      std::min(c.width, strips * (p + 1) / cols * kStrip));
+  const int64_t cols = std::min(strips, parts);
+  in_parts(pool, cols, [&c, cols, strips, slots](int64_t p) {
+    expand<W, Y>(c, 0, slots, std::min(c.width, strips * p / cols * kStrip),
+                 std::min(c.width, strips * (p + 1) / cols * kStrip));
   });
 }
 

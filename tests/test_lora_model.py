@@ -110,6 +110,26 @@ def test_cpu_kernel_rows_do_not_depend_on_the_batch(isa):
 
 
 @pytest.mark.parametrize("isa", [None, "x86-64-v2"])
+@pytest.mark.parametrize("used", [12, 3])
+def test_cpu_kernel_splits_work_by_slots_or_columns_alike(isa, used):
+    """Calls big enough to share out: with many slots in use the expand splits them by slot,
+    with few by columns; either way each row equals the reference and its own call alone."""
+    _kernel(isa)
+    rng = np.random.default_rng(3)
+    a = jnp.asarray(rng.standard_normal((12, 32, 64)), jnp.float32)
+    bs = (jnp.asarray(rng.standard_normal((12, 16, 200)), jnp.float32),
+          jnp.asarray(rng.standard_normal((12, 16, 400)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((40, 64)), jnp.float32)
+    slots = np.where(np.arange(40) % 7 == 6, -1, np.arange(40) % used)
+    s = jnp.asarray(slots, jnp.int32)
+    batched = np.asarray(cpu_lora.delta(x, a, bs, s, isa=isa))
+    np.testing.assert_allclose(batched, lora_delta_reference(x, a, bs, s), atol=1e-3, rtol=1e-5)
+    for t in (0, 5, 6, 39):
+        np.testing.assert_array_equal(cpu_lora.delta(x[t:t + 1], a, bs, s[t:t + 1], isa=isa)[0],
+                                      batched[t])
+
+
+@pytest.mark.parametrize("isa", [None, "x86-64-v2"])
 def test_cpu_kernel_adds_into_a_bfloat16_output_rounding_once(isa):
     """y + delta in y's dtype: rows of no adapter keep y bit for bit; the others are the
     float32 sum rounded to bfloat16 once (to nearest even), as XLA rounds y + delta."""
