@@ -6,8 +6,9 @@
 // tokens, and on XLA:CPU every trip of a while loop costs about 20 us whatever its work; and
 // around it a cast, a concatenation and an add are each a pass of their own. Here one call
 // per fused projection sorts its tokens by adapter slot (a counting sort of a few dozen ids),
-// runs every slot's tokens against that slot's weights, read once per call, and adds the
-// result into the projection's output:
+// runs each slot's tokens, up to four at a time (a job: shrink, then expand, a slot's
+// weights streamed once for its four tokens; jobs shared out among the pool's threads), and
+// adds the result into the projection's output:
 //
 //   LoraAdd  x [T, I], y [T, O], slots [T], a [N, kR, I], b_1 [N, R, O_1] .. b_k [N, R, O_k]
 //            -> y + delta [T, O], O = O_1 + .. + O_k (y's buffer, updated in place where XLA
@@ -166,41 +167,8 @@ struct Call {
   int64_t o[kMaxTargets], off[kMaxTargets];
   int64_t t, n, in, kr, rank, width, k;
   std::vector<int64_t> ids, starts;
-  std::vector<int64_t> active;  // the slots holding tokens, in order
-  std::vector<float> h;         // [T, kR]
+  std::vector<int64_t> jobs;  // each job's first index in ids (run_job)
 };
-
-// h of every grouped token for units [u0, u1): unit u is row u % kR of the u / kR-th active
-// slot, so a part walks a's rows in memory order, whole slots at a time when each holds a
-// token or two (many adapters: the call is a stream of a's bytes), and prefetches two rows
-// ahead across a slot's end too. Each weight row is read once for up to kTok tokens.
-template <typename W>
-void shrink_units(Call& c, int64_t u0, int64_t u1) {
-  const W* a = static_cast<const W*>(c.a);
-  auto row_of = [&c, a](int64_t u) { return a + (c.active[u / c.kr] * c.kr + u % c.kr) * c.in; };
-  for (int64_t u = u0; u < u1; ++u) {
-    const int64_t j = c.active[u / c.kr], r = u % c.kr;
-    const W* row = row_of(u);
-#ifdef __AVX512F__
-    if (u + 2 < u1)
-      for (int64_t line = 0; line < c.in * int64_t(sizeof(W)); line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(row_of(u + 2)) + line, _MM_HINT_T0);
-#endif
-    for (int64_t i = c.starts[j]; i < c.starts[j + 1]; i += kTok) {
-      const int tokens = static_cast<int>(std::min<int64_t>(kTok, c.starts[j + 1] - i));
-      const float* xs[kTok];
-      for (int q = 0; q < tokens; ++q) xs[q] = c.x + c.ids[i + q] * c.in;
-      float s[kTok];
-      switch (tokens) {
-        case 4: dots<W, 4>(row, xs, c.in, s); break;
-        case 3: dots<W, 3>(row, xs, c.in, s); break;
-        case 2: dots<W, 2>(row, xs, c.in, s); break;
-        default: dots<W, 1>(row, xs, c.in, s);
-      }
-      for (int q = 0; q < tokens; ++q) c.h[c.ids[i + q] * c.kr + r] = s[q];
-    }
-  }
-}
 
 // out[tok, o0..o1) = y + the strip's delta (at most kStrip outputs of one target) for kT
 // tokens of one slot: the strip's sums held in registers across the R rows of b (each weight
@@ -263,35 +231,53 @@ void expand_strip(const W* b, const float* const* hs, const Y* const* ys, Y* con
 }
 #endif
 
-// Output columns [c0, c1) (of all targets side by side) of the tokens of active slots
-// [s0, s1).
+// One job: kT tokens of slot j (ids[0..kT)), shrink then expand. Its h stays in the
+// worker's cache and the slot's a and b are read once for the kT tokens, straight through
+// (a job streams its slot's weights in memory order: with many adapters, one token each,
+// the call is a stream of the adapters' bytes).
+template <typename W, typename Y, int kT>
+void run_job(const Call& c, int64_t j, const int64_t* ids, float* h) {
+  const W* a = static_cast<const W*>(c.a) + j * c.kr * c.in;
+  const float* xs[kT];
+  for (int q = 0; q < kT; ++q) xs[q] = c.x + ids[q] * c.in;
+  for (int64_t r = 0; r < c.kr; ++r) {
+    const W* row = a + r * c.in;
+#ifdef __AVX512F__
+    for (int64_t line = 0; line < c.in * int64_t(sizeof(W)); line += 64)  // 2 rows ahead
+      _mm_prefetch(reinterpret_cast<const char*>(row + 2 * c.in) + line, _MM_HINT_T0);
+#endif
+    float s[kT];
+    dots<W, kT>(row, xs, c.in, s);
+    for (int q = 0; q < kT; ++q) h[q * c.kr + r] = s[q];
+  }
+  const float* hs[kT];
+  const Y* ys[kT];
+  Y* outs[kT];
+  for (int q = 0; q < kT; ++q) {
+    ys[q] = static_cast<const Y*>(c.y) + ids[q] * c.width;
+    outs[q] = static_cast<Y*>(c.out) + ids[q] * c.width;
+  }
+  for (int64_t tg = 0; tg < c.k; ++tg) {
+    const W* b = static_cast<const W*>(c.b[tg]) + j * c.rank * c.o[tg];
+    for (int q = 0; q < kT; ++q) hs[q] = h + q * c.kr + tg * c.rank;
+    for (int64_t o0 = 0; o0 < c.o[tg]; o0 += kStrip)
+      expand_strip<W, Y, kT>(b, hs, ys, outs, c.rank, c.o[tg], o0,
+                             std::min(o0 + kStrip, c.o[tg]), c.off[tg] + o0);
+  }
+}
+
+// Job p: the p-th run of up to kTok tokens of one slot (jobs[p] = its first index in ids).
 template <typename W, typename Y>
-void expand(Call& c, int64_t s0, int64_t s1, int64_t c0, int64_t c1) {
-  for (int64_t k = s0; k < s1; ++k)
-    for (int64_t j = c.active[k], i = c.starts[j]; i < c.starts[j + 1]; i += kTok) {
-      const int tokens = static_cast<int>(std::min<int64_t>(kTok, c.starts[j + 1] - i));
-      const float* hs[kTok];
-      const Y* ys[kTok];
-      Y* outs[kTok];
-      for (int q = 0; q < tokens; ++q) {
-        ys[q] = static_cast<const Y*>(c.y) + c.ids[i + q] * c.width;
-        outs[q] = static_cast<Y*>(c.out) + c.ids[i + q] * c.width;
-      }
-      for (int64_t tg = 0; tg < c.k; ++tg) {
-        const int64_t lo = std::max(c0, c.off[tg]), hi = std::min(c1, c.off[tg] + c.o[tg]);
-        const W* b = static_cast<const W*>(c.b[tg]) + j * c.rank * c.o[tg];
-        for (int q = 0; q < tokens; ++q) hs[q] = c.h.data() + c.ids[i + q] * c.kr + tg * c.rank;
-        for (int64_t col = lo; col < hi; col += kStrip) {
-          const int64_t o0 = col - c.off[tg], o1 = std::min(hi, col + kStrip) - c.off[tg];
-          switch (tokens) {
-            case 4: expand_strip<W, Y, 4>(b, hs, ys, outs, c.rank, c.o[tg], o0, o1, col); break;
-            case 3: expand_strip<W, Y, 3>(b, hs, ys, outs, c.rank, c.o[tg], o0, o1, col); break;
-            case 2: expand_strip<W, Y, 2>(b, hs, ys, outs, c.rank, c.o[tg], o0, o1, col); break;
-            default: expand_strip<W, Y, 1>(b, hs, ys, outs, c.rank, c.o[tg], o0, o1, col);
-          }
-        }
-      }
-    }
+void run_job(const Call& c, int64_t p, std::vector<float>& h) {
+  const int64_t i = c.jobs[p], j = c.slots[c.ids[i]];
+  const int tokens = static_cast<int>(std::min<int64_t>(kTok, c.starts[j + 1] - i));
+  h.resize(kTok * c.kr);
+  switch (tokens) {
+    case 4: run_job<W, Y, 4>(c, j, &c.ids[i], h.data()); break;
+    case 3: run_job<W, Y, 3>(c, j, &c.ids[i], h.data()); break;
+    case 2: run_job<W, Y, 2>(c, j, &c.ids[i], h.data()); break;
+    default: run_job<W, Y, 1>(c, j, &c.ids[i], h.data());
+  }
 }
 
 // The rows of tokens of no slot: y as it is (a copy unless y's buffer is the output's).
@@ -303,34 +289,20 @@ void keep_rows(Call& c, int64_t bytes) {
                   static_cast<const char*>(c.y) + i * c.width * bytes, c.width * bytes);
 }
 
+// One parallel region a call: jobs taken from a shared counter, each a slot's tokens end
+// to end, so the expand waits for no other thread's shrink.
 template <typename W, typename Y>
 void run(ffi::ThreadPool& pool, Call& c) {
   group(c.slots, c.t, c.n, c.ids, c.starts);
   keep_rows(c, sizeof(Y));
-  c.active.clear();
+  c.jobs.clear();
   for (int64_t j = 0; j < c.n; ++j)
-    if (c.starts[j + 1] > c.starts[j]) c.active.push_back(j);
-  const int64_t m = static_cast<int64_t>(c.ids.size()), slots = c.active.size();
-  c.h.assign(c.t * c.kr, 0.f);
-  const int64_t units = slots * c.kr;
-  const int64_t rows = std::min(units, parts_for(pool, m * c.kr * c.in));
-  in_parts(pool, rows, [&c, rows, units](int64_t p) {
-    shrink_units<W>(c, units * p / rows, units * (p + 1) / rows);
-  });
-  // The expand's parts: whole slots when there are enough to share out (each part streams
-  // its slots' b), else strips of columns (one adapter's many tokens).
-  const int64_t parts = parts_for(pool, m * c.width * c.rank);
-  if (slots >= parts) {
-    in_parts(pool, parts, [&c, parts, slots](int64_t p) {
-      expand<W, Y>(c, slots * p / parts, slots * (p + 1) / parts, 0, c.width);
-    });
-    return;
-  }
-  const int64_t strips = (c.width + kStrip - 1) / kStrip;
-  const int64_t cols = std::min(strips, parts);
-  in_parts(pool, cols, [&c, cols, strips, slots](int64_t p) {
-    expand<W, Y>(c, 0, slots, std::min(c.width, strips * p / cols * kStrip),
-                 std::min(c.width, strips * (p + 1) / cols * kStrip));
+    for (int64_t i = c.starts[j]; i < c.starts[j + 1]; i += kTok) c.jobs.push_back(i);
+  const int64_t m = static_cast<int64_t>(c.ids.size()), jobs = c.jobs.size();
+  const int64_t parts = std::min(jobs, parts_for(pool, m * (c.kr * c.in + c.width * c.rank)));
+  in_parts(pool, parts, [&c, parts, jobs](int64_t p) {
+    thread_local std::vector<float> h;
+    for (int64_t q = jobs * p / parts; q < jobs * (p + 1) / parts; ++q) run_job<W, Y>(c, q, h);
   });
 }
 

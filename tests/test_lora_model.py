@@ -111,9 +111,9 @@ def test_cpu_kernel_rows_do_not_depend_on_the_batch(isa):
 
 @pytest.mark.parametrize("isa", [None, "x86-64-v2"])
 @pytest.mark.parametrize("used", [12, 3])
-def test_cpu_kernel_splits_work_by_slots_or_columns_alike(isa, used):
-    """Calls big enough to share out: with many slots in use the expand splits them by slot,
-    with few by columns; either way each row equals the reference and its own call alone."""
+def test_cpu_kernel_shares_out_jobs_of_many_or_few_slots(isa, used):
+    """Calls big enough to share out between threads (jobs of up to 4 tokens of one slot),
+    with 12 slots in use or 3: each row equals the reference and its own call alone."""
     _kernel(isa)
     rng = np.random.default_rng(3)
     a = jnp.asarray(rng.standard_normal((12, 32, 64)), jnp.float32)
