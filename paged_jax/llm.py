@@ -238,22 +238,26 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(
-        self, prompts: Seq, params: BeamSearchParams, use_tqdm: bool = False
+        self, prompts: Seq, params: BeamSearchParams,
+        lora_request: LoRARequest | Seq | None = None, use_tqdm: bool = False,
     ) -> list[BeamSearchOutput]:
         """Beam search per prompt; beams share KV blocks through forks (see beam_search.py).
 
         Args:
           prompts: prompts as in `generate` (str, {"prompt": ...}, {"prompt_token_ids": ...}).
           params: BeamSearchParams(beam_width, max_tokens, ...).
+          lora_request: as in `generate`: one adapter for every prompt, or one per prompt.
 
         Returns:
           One BeamSearchOutput per prompt, its `sequences` best first.
         """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
-        outs = []
-        for p in tqdm(list(prompts), disable=_bar_off(use_tqdm), desc="Beam search"):
-            out, peak = beam_search(self.llm_engine, p, params)
+        prompts, outs = list(prompts), []
+        loras = per_prompt(lora_request, len(prompts))
+        for p, lora in tqdm(list(zip(prompts, loras, strict=True)), disable=_bar_off(use_tqdm),
+                            desc="Beam search"):
+            out, peak = beam_search(self.llm_engine, p, params, lora)
             self.last_beam_peak_blocks = peak
             outs.append(out)
         return outs

@@ -71,3 +71,13 @@ def peft_greedy(base_folder: Path, adapter: Path | None, ids: list[int], n: int)
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
                              do_sample=False, pad_token_id=0)
     return out[0, len(ids):].tolist()
+
+
+def merged_model(base_folder: Path, adapter: Path, folder: Path) -> Path:
+    """The base model with `adapter` merged into its weights (peft's merge_and_unload),
+    saved as safetensors to `folder`."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_folder,
+                                                              torch_dtype=torch.float32)
+    peft.PeftModel.from_pretrained(model, adapter).merge_and_unload().save_pretrained(
+        folder, safe_serialization=True)
+    return folder

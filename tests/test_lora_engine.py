@@ -7,16 +7,19 @@ are refused with their reason."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from paged_jax.engine import Engine, EngineConfig
+from paged_jax.engine.beam_search import beam_search
 from paged_jax.engine.programs import PROGRAMS
 from paged_jax.lora import LoRARequest
 from paged_jax.lora.config import LoRAConfig
 from paged_jax.models.safetensors_loader import load_safetensors
-from paged_jax.sampling_params import SamplingParams
-from tests.lora_helpers import ADAPTERS, hf_model, peft_greedy, random_adapter
+from paged_jax.sampling_params import BeamSearchParams, SamplingParams
+from tests.lora_helpers import ADAPTERS, hf_model, merged_model, peft_greedy, random_adapter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, detokenize=False)
 PROMPTS = [[5, 17, 3, 44, 8, 9, 1, 70, 22], [60, 2, 2, 31, 7], [11, 12, 13, 14, 15, 16, 17],
@@ -181,3 +184,56 @@ def test_a_snapshot_mid_run_resumes_every_adapter_s_rows(tiny, alone, tmp_path):
     snapshot.restore(fresh, tmp_path / "s")
     done |= {rid: toks for rid, (toks, _) in serve(fresh, []).items()}
     assert done == alone
+
+
+def test_beams_under_an_adapter_are_the_merged_model_s_beams(tiny, tmp_path):
+    """Beam search under an adapter (every beam in the adapter's slot, forks included) finds
+    the beams of the model with the adapter merged into its weights, not the base model's."""
+    config, params, base, loras = tiny
+    mconfig, mparams = load_safetensors(merged_model(base, Path(loras[0].lora_path),
+                                                     tmp_path / "merged"))
+    plain = Engine(mconfig, mparams, None, EngineConfig(
+        block_size=8, num_kv_blocks=80, max_num_seqs=4, max_num_batched_tokens=64,
+        max_model_len=128))
+    bp = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    eng = lora_engine(tiny)
+    ours, _ = beam_search(eng, prompt, bp, loras[0])
+    want, _ = beam_search(plain, prompt, bp)
+    assert [b.tokens for b in ours.sequences] == [b.tokens for b in want.sequences]
+    np.testing.assert_allclose([b.cum_logprob for b in ours.sequences],
+                               [b.cum_logprob for b in want.sequences], atol=1e-4)
+    base_beams, _ = beam_search(eng, prompt, bp)  # the same engine, its slot now idle
+    assert [b.tokens for b in base_beams.sequences] != [b.tokens for b in ours.sequences]
+    with pytest.raises(ValueError, match="enable_lora"):
+        beam_search(plain, prompt, bp, loras[0])
+
+
+def test_structured_outputs_under_adapters_obey_and_keep_each_row_s_tokens(tmp_path):
+    """Constrained requests under two adapters and the base model in one batch: each obeys
+    its constraint and gets the tokens it gets alone; the adapters change what they say."""
+    from experiments.lora import write_adapter
+    from tests.engine_helpers import engine, model
+    from tests.test_structured_outputs import constrained, obeys
+
+    loras = [None] + [LoRARequest(f"s{i}", i + 1, str(
+        write_adapter(tmp_path / f"s{i}", model()[0], seed=i, scale=0.5))) for i in range(2)]
+    reqs = [(f"{kind} {j}", f"prompt for {kind}: ", constrained(kind, seed=3), lora)
+            for kind in ("regex", "choice", "json") for j, lora in enumerate(loras)]
+
+    def serve(batch: list) -> dict:
+        eng = engine(lora=LoRAConfig(2, 16))
+        for rid, prompt, sp, lora in batch:
+            eng.add_request(rid, prompt, sp, lora_request=lora)
+        done = {}
+        while eng.has_unfinished():
+            done.update({o.request_id: o.outputs[0] for o in eng.step() if o.finished})
+        return done
+
+    together = serve(reqs)
+    for r in reqs:
+        out = together[r[0]]
+        assert obeys(r[0].split()[0], out.text), (r[0], out.text)
+        assert serve([r])[r[0]].token_ids == out.token_ids, r[0]
+    for kind in ("regex", "choice", "json"):
+        assert len({together[f"{kind} {j}"].text for j in range(3)}) > 1, kind

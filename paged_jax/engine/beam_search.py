@@ -29,6 +29,7 @@ import numpy as np
 from paged_jax.engine import Engine
 from paged_jax.engine import input as inp
 from paged_jax.engine.sequence import Request, Sequence
+from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import BeamSearchOutput, BeamSearchSequence, Logprob
 from paged_jax.sample.state import bias_row
 from paged_jax.sampling_params import BeamSearchParams, SamplingParams
@@ -44,8 +45,10 @@ class _Beam:
     logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
 
 
-def beam_search(engine: Engine, prompt, params: BeamSearchParams) -> tuple[BeamSearchOutput, int]:
-    """Beam search for one prompt on an idle engine.
+def beam_search(engine: Engine, prompt, params: BeamSearchParams,
+                lora_request: LoRARequest | None = None) -> tuple[BeamSearchOutput, int]:
+    """Beam search for one prompt on an idle engine (every beam under `lora_request`'s
+    adapter when given: paged_jax/lora).
 
     Returns:
       (the best `beam_width` beams, best first; the peak number of KV blocks in use).
@@ -62,6 +65,7 @@ def beam_search(engine: Engine, prompt, params: BeamSearchParams) -> tuple[BeamS
         banned = inp.bad_word_ids(biased, engine.tokenizer) if biased.bad_words else ()
         bias = bias_row(biased, engine.model_config.vocab_size, banned)
     req = Request("beam-search", text, ids, SamplingParams(temperature=0.0), time.time(), 0)
+    req.lora = engine.check_adapter(lora_request)
     live: list[Sequence] = []
     try:
         return _search(engine, req, params, live, bias)

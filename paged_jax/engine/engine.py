@@ -169,23 +169,25 @@ class Engine:
                                arrival_time if arrival_time is not None else time.time())
         if req.params.structured_outputs is not None:
             self.constraints.attach(req)  # ValueError when it is invalid
-        if lora_request is not None:
-            if self.config.lora is None:
-                raise ValueError("lora_request needs an engine built with enable_lora=True")
-            self.runner.adapters.check(lora_request)  # read now: a bad adapter fails here
-            req.lora = lora_request
+        req.lora = self.check_adapter(lora_request)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
 
-    def _place_adapters(self, plan: Plan) -> None:
-        """The adapters of the plan's requests into device slots (lora/manager.py); the
-        runner's params re-read when a slot or a row's adapter changed."""
-        rows = [(s.slot, s.owner.lora) for seq, _ in plan.chunks for s in seq.owner.seqs
-                if s.slot >= 0]
-        if self.runner.adapters.place(rows):
-            self.runner.params = {**self.runner.params,
-                                  "lora": self.runner.adapters.device_tree()}
+    def check_adapter(self, lora_request: LoRARequest | None) -> LoRARequest | None:
+        """`lora_request` once its adapter is read (a bad one fails here, not in a step)."""
+        if lora_request is not None:
+            if self.config.lora is None:
+                raise ValueError("lora_request needs an engine built with enable_lora=True")
+            self.runner.adapters.check(lora_request)
+        return lora_request
+
+    def _place_adapters(self, seqs) -> None:
+        """The sequences' adapters into device slots (lora/manager.py), before a step runs
+        them; the runner's params re-read when a slot or a row's adapter changed."""
+        rows = [(s.slot, s.owner.lora) for s in seqs if s.slot >= 0]
+        if self.config.lora is not None and self.runner.adapters.place(rows):
+            self.runner.params = {**self.runner.params, "lora": self.runner.adapters.device_tree()}
 
     def narrow_outputs(self, request_id: str, logprobs: int | None,
                        return_hidden_states: bool) -> None:
@@ -243,8 +245,7 @@ class Engine:
         if plan.empty:
             self.kv.forget(plan.sent)
             return None
-        if self.config.lora is not None:  # every row's adapter in a device slot first
-            self._place_adapters(plan)
+        self._place_adapters(s for seq, _ in plan.chunks for s in seq.owner.seqs)
         pending = self.runner.dispatch(plan)
         self.scheduler.sent(plan, [c for _, cs in pending.call.forks for c in cs])
         return pending
@@ -342,6 +343,7 @@ class Engine:
         self.kv.room_for(chunks, decode_only=False)
         ops, sent = self.kv.take_ops()
         plan = Plan(chunks=chunks, admits=admits, ops=ops, sent=sent, flags=flags, owned=False)
+        self._place_adapters(s for s, _ in chunks)
         out = self.runner.run(plan)
         starts = {id(s): s.num_computed for s, _ in chunks}
         counts = {id(s): n for s, n in chunks}
@@ -355,11 +357,8 @@ class Engine:
         return out
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
-        """Children share all of `parent`'s blocks (copy-on-write); each gets its own slot.
-
-        Their device sampling rows are not written (they keep the slot's last user's): fine
-        for `compute`, which samples greedily from raw logits, without bias or penalties.
-        """
+        """Children share all of `parent`'s blocks (copy-on-write), each in a slot of its own;
+        their device sampling rows keep the slot's last user's (`compute` reads raw logits)."""
         self.kv.fork(parent, children)
 
     def release(self, seqs: list[Sequence]) -> None:
