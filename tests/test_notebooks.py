@@ -30,7 +30,7 @@ seen once in CI says where it was."""
 TEST_PARAMETERS = {
     "02_kernels.ipynb": "NUM_LENGTHS = 1000\nTIMING_CONTEXT = 1024\nTIMING_REPEATS = 3",
     "03_serving.ipynb": "NUM_REQUESTS = 4\nPOLICY_REQUESTS = 8",
-    "04_kv_quantization.ipynb": "TOKENS = 64\nMAX_TOKENS = 8\nPROMPTS = PROMPTS[:2]",
+    "04_kv_quantization.ipynb": "TOKENS = 64\nMAX_TOKENS = 8\nPROMPTS = PROMPTS[:2]\nKV_MIB = 32",
     "05_routing.ipynb": "BALANCE_REQUESTS = 16",
 }
 
