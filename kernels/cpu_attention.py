@@ -89,19 +89,23 @@ def main() -> None:
     perm = rng.permutation(np.arange(1, n))
     for r, o in enumerate(np.cumsum(pages) - pages):
         tables[r, :pages[r]] = perm[o:o + pages[r]]
-    args = [jnp.asarray(rng.standard_normal((rows, h * g, d)), jnp.float32),
-            jnp.asarray(rng.standard_normal((h, n, k, d)), jnp.float32),
-            jnp.asarray(rng.standard_normal((h, n, k, d)), jnp.float32),
-            jnp.asarray(tables), jnp.asarray(lens), jnp.arange(rows + 1, dtype=jnp.int32)]
+    f32 = [jnp.asarray(rng.standard_normal((rows, h * g, d)), jnp.float32),
+           jnp.asarray(rng.standard_normal((h, n, k, d)), jnp.float32),
+           jnp.asarray(rng.standard_normal((h, n, k, d)), jnp.float32)]
+    ints = [jnp.asarray(tables), jnp.asarray(lens), jnp.arange(rows + 1, dtype=jnp.int32)]
     ours = jax.jit(functools.partial(paged_attention, scale=d ** -0.5))
     ref = jax.jit(functools.partial(ragged_reference, max_q=1, scale=d ** -0.5))
-    err = float(jnp.abs(ours(*args) - ref(*args)).max())
-    print(f"decode, {rows} rows, {lens.sum()} context tokens: max |cpu - reference| = {err:.2e}")
-    kv_bytes = 2 * int(lens.sum()) * h * d * 4
-    for name, fn in (("cpu", ours), ("reference", ref)):
-        fn(*args).block_until_ready()
-        best = min(_timed(fn, args, time) for _ in range(20))
-        print(f"  {name:10s} {best * 1e3:7.3f} ms  {kv_bytes / best / 1e9:6.1f} GB/s of K/V read")
+    for dtype in (jnp.float32, jnp.bfloat16):  # pages (and queries) in this dtype
+        args = [x.astype(dtype) for x in f32] + ints
+        err = float(jnp.abs(ours(*args).astype(jnp.float32) - ref(*args).astype(jnp.float32)).max())
+        print(f"decode, {rows} rows, {lens.sum()} context tokens, {jnp.dtype(dtype).name} pages: "
+              f"max |cpu - reference| = {err:.2e}")
+        kv_bytes = 2 * int(lens.sum()) * h * d * jnp.dtype(dtype).itemsize
+        for name, fn in (("cpu", ours), ("reference", ref)):
+            fn(*args).block_until_ready()
+            best = min(_timed(fn, args, time) for _ in range(20))
+            rate = kv_bytes / best / 1e9
+            print(f"  {name:10s} {best * 1e3:7.3f} ms  {rate:6.1f} GB/s of K/V read")
 
 
 def _timed(fn, args, time) -> float:
