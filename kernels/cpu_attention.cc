@@ -185,6 +185,40 @@ inline void weigh_values(const float* w, const float* v, int64_t D, int64_t t0, 
   }
 }
 
+// Pages taken together by one online-softmax update: the max, exp and rescale run once for
+// their keys (per page, that bookkeeping cost about as much as the dot products).
+constexpr int64_t kGroupPages = 4;
+
+// Query vector r's online softmax over keys [t0, nt) of a group of np pages (key t is row
+// t % K of page t / K): scores, the running max and sum, and acc rescaled and added to.
+inline void update(const float* qv, float* acc, float* m, float* l, int64_t r, int64_t D,
+                   int64_t K, const float* const* kb, const float* const* vb, int64_t np,
+                   int64_t t0, int64_t nt, float* sc) {
+  const float* qr = qv + r * D;
+  for (int64_t j = 0; j < np; ++j) {
+    const int64_t a = std::max<int64_t>(t0 - j * K, 0), b = std::min<int64_t>(nt - j * K, K);
+    if (a < b) scores(qr, kb[j], D, a, b, sc + j * K);
+  }
+  float mx = m[r];
+  for (int64_t t = t0; t < nt; ++t) mx = std::max(mx, sc[t]);
+  const float corr = std::exp(m[r] - mx);  // 0 on the first page (m = kNoScore)
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = t0; t < nt; ++t) {  // vectorized exp (libmvec, -ffast-math)
+    sc[t] = std::exp(sc[t] - mx);
+    sum += sc[t];
+  }
+  float* ar = acc + r * D;
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
+  for (int64_t j = 0; j < np; ++j) {
+    const int64_t a = std::max<int64_t>(t0 - j * K, 0), b = std::min<int64_t>(nt - j * K, K);
+    if (a < b) weigh_values(sc + j * K, vb[j], D, a, b, ar);
+  }
+  l[r] = l[r] * corr + sum;
+  m[r] = mx;
+}
+
 template <typename T, typename KT>
 void attend(const Problem& pb, const T* q, const KT* k, const KT* v, Scales scales, T* out,
             int64_t s, int64_t h, std::vector<float>& work) {
@@ -193,15 +227,19 @@ void attend(const Problem& pb, const T* q, const KT* k, const KT* v, Scales scal
   if (nq <= 0 || len <= 0 || q0 < 0 || q0 + nq > pb.num_tokens) return;
   const int64_t G = pb.num_q_heads / pb.num_kv_heads, D = pb.head_dim, K = pb.block_size;
   const int64_t n = nq * G;  // query vectors of this task
-  work.assign(n * D * 2 + n * 2 + K + 2 * K * D, 0.0f);
-  float* qv = work.data();      // [n, D] scaled queries
-  float* acc = qv + n * D;      // [n, D] running sum of w * v
-  float* m = acc + n * D;       // [n] running max
-  float* l = m + n;             // [n] running sum of w
-  float* sc = l + n;            // [K] one page's scores
-  float* kpage = sc + K;        // [K, D] the page's keys in f32
-  float* vpage = kpage + K * D; // [K, D] its values
+  const int64_t span = kGroupPages * K;  // keys of one online-softmax update
+  // resized, not cleared: every buffer but acc and l is written before it is read
+  work.resize(n * D * 2 + n * 2 + span + 2 * span * D);
+  float* qv = work.data();         // [n, D] scaled queries
+  float* acc = qv + n * D;         // [n, D] running sum of w * v
+  float* m = acc + n * D;          // [n] running max
+  float* l = m + n;                // [n] running sum of w
+  float* sc = l + n;               // [span] a group of pages' scores
+  float* kpage = sc + span;        // [span, D] the group's keys in f32
+  float* vpage = kpage + span * D; // [span, D] its values
+  std::fill(acc, acc + n * D, 0.0f);
   std::fill(m, m + n, kNoScore);
+  std::fill(l, l + n, 0.0f);
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t g = 0; g < G; ++g) {
       const T* src = q + ((q0 + i) * pb.num_q_heads + h * G + g) * D;
@@ -217,38 +255,28 @@ void attend(const Problem& pb, const T* q, const KT* k, const KT* v, Scales scal
   const int64_t win = pb.window > 0 ? pb.window : len + 1;
   // Pages wholly before query 0's window are never read: a local layer's decode costs its
   // window, not its context.
-  for (int64_t p = std::max<int64_t>(0, first_pos - win + 1) / K; p < pages; ++p) {
-    int64_t block = pb.block_tables[s * pb.pages_per_row + p];
-    block = std::clamp<int64_t>(block, 0, pb.num_blocks - 1);  // a bad table cannot read out
-    const int64_t base = (h * pb.num_blocks + block) * K;  // first token of the page
-    const int64_t ng = scales.groups, sb = base * ng;  // the page's first scale
-    const float* kb = page_f32(k + base * D, scales.k ? scales.k + sb : nullptr, kpage, K, D, ng);
-    const float* vb = page_f32(v + base * D, scales.v ? scales.v + sb : nullptr, vpage, K, D, ng);
-    const int64_t tok0 = p * K;
+  const float* kb[kGroupPages];
+  const float* vb[kGroupPages];
+  for (int64_t p0 = std::max<int64_t>(0, first_pos - win + 1) / K; p0 < pages;
+       p0 += kGroupPages) {
+    const int64_t np = std::min(kGroupPages, pages - p0);
+    for (int64_t j = 0; j < np; ++j) {
+      int64_t block = pb.block_tables[s * pb.pages_per_row + p0 + j];
+      block = std::clamp<int64_t>(block, 0, pb.num_blocks - 1);  // a bad table cannot read out
+      const int64_t base = (h * pb.num_blocks + block) * K;  // first token of the page
+      const int64_t ng = scales.groups, sb = base * ng;  // the page's first scale
+      kb[j] = page_f32(k + base * D, scales.k ? scales.k + sb : nullptr, kpage + j * K * D, K,
+                       D, ng);
+      vb[j] = page_f32(v + base * D, scales.v ? scales.v + sb : nullptr, vpage + j * K * D, K,
+                       D, ng);
+    }
+    const int64_t tok0 = p0 * K;
     for (int64_t i = std::max<int64_t>(0, tok0 - first_pos); i < nq; ++i) {
-      const int64_t nt = std::min(K, first_pos + i - tok0 + 1);  // tokens <= position
+      const int64_t nt = std::min(np * K, first_pos + i - tok0 + 1);  // tokens <= position
       const int64_t t0 = std::max<int64_t>(0, first_pos + i - win + 1 - tok0);  // in window
       if (t0 >= nt) continue;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = i * G + g;
-        const float* qr = qv + r * D;
-        scores(qr, kb, D, t0, nt, sc);
-        float mx = m[r];
-        for (int64_t t = t0; t < nt; ++t) mx = std::max(mx, sc[t]);
-        const float corr = std::exp(m[r] - mx);  // 0 on the first page (m = kNoScore)
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = t0; t < nt; ++t) {  // vectorized exp (libmvec, -ffast-math)
-          sc[t] = std::exp(sc[t] - mx);
-          sum += sc[t];
-        }
-        float* ar = acc + r * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
-        weigh_values(sc, vb, D, t0, nt, ar);
-        l[r] = l[r] * corr + sum;
-        m[r] = mx;
-      }
+      for (int64_t g = 0; g < G; ++g)
+        update(qv, acc, m, l, i * G + g, D, K, kb, vb, np, t0, nt, sc);
     }
   }
   for (int64_t i = 0; i < nq; ++i)
