@@ -50,25 +50,11 @@ int32_t first_argmax(const float* x, int64_t n) {
   return static_cast<int32_t>(where);  // all -inf (or empty): index 0, as jnp.argmax
 }
 
-// Runs fn(r) for r in [0, count) over the pool's threads, rows taken from a shared counter
-// (the caller works too); a helper joins per `per_helper` rows (fewer are not worth waking it).
+// fn(r) for r in [0, count) over the pool's threads (cpu_tasks.h); a helper joins per
+// `per_helper` rows (fewer are not worth waking it).
 template <typename Fn>
 void for_rows(ffi::ThreadPool& pool, int64_t count, int64_t per_helper, Fn fn) {
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  auto worker = [shared, count, fn]() {
-    for (int64_t r; (r = shared->next.fetch_add(1)) < count;) {
-      fn(r);
-      shared->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count / per_helper);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(worker)(worker));
-  worker();
-  while (shared->done.load(std::memory_order_acquire) < count) {
-  }
+  for_tasks(pool, count, std::min<int64_t>(pool.num_threads(), count / per_helper), fn);
 }
 
 ffi::Error row_argmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,

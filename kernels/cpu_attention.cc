@@ -49,6 +49,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+#include "cpu_tasks.h"  // for_tasks: a call's work shared with the pool's threads
+
 // The running max before any score: exp(kNoScore - score) is 0 for any real score, where
 // -inf would give exp(-inf - -inf) = NaN on a query's first page.
 constexpr float kNoScore = -1e30f;
@@ -289,29 +291,16 @@ void attend(const Problem& pb, const T* q, const KT* k, const KT* v, Scales scal
     }
 }
 
-// Runs every (row, KV head) task: the caller and up to num_threads - 1 pool workers take
-// tasks from a shared counter; the caller returns once every task is done. State is shared
-// by pointer so a worker that starts late (after all tasks are taken) touches live memory.
+// Runs every (row, KV head) task on the caller and up to num_threads - 1 pool workers
+// (cpu_tasks.h); each thread keeps its own work buffer.
 template <typename T, typename KT>
 void run_tasks(ffi::ThreadPool& pool, const Problem& pb, const T* q, const KT* k, const KT* v,
                Scales scales, T* out) {
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-  };
   const int64_t tasks = pb.num_rows * pb.num_kv_heads;
-  auto shared = std::make_shared<Shared>();
-  auto worker = [=]() {
-    std::vector<float> work;
-    for (int64_t t; (t = shared->next.fetch_add(1)) < tasks;) {
-      attend(pb, q, k, v, scales, out, t / pb.num_kv_heads, t % pb.num_kv_heads, work);
-      shared->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(worker)(worker));  // a copy each
-  worker();
-  while (shared->done.load(std::memory_order_acquire) < tasks) {
-  }  // the last tasks finish on other threads within microseconds
+  for_tasks(pool, tasks, std::min<int64_t>(pool.num_threads(), tasks) - 1, [&](int64_t t) {
+    thread_local std::vector<float> work;
+    attend(pb, q, k, v, scales, out, t / pb.num_kv_heads, t % pb.num_kv_heads, work);
+  });
 }
 
 // q, out [T, Q, D]; k, v [H, N, K, D] (H dividing Q, N > 0); tables [S, P]; lens [S];

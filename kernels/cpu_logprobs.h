@@ -126,13 +126,13 @@ ffi::Error row_logprobs(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   int32_t *rk = rank->typed_data(), *ti = top_ids->typed_data();
   std::fill(ch, ch + rows, 0.f), std::fill(rk, rk + rows, 0);
   std::fill(tl, tl + rows * j, 0.f), std::fill(ti, ti + rows * j, 0);
-  auto live = std::make_shared<std::vector<int64_t>>();
+  std::vector<int64_t> live;
   for (int64_t r = 0; r < rows; ++r)
-    if (act[r] && tok[r] >= 0 && tok[r] < n) live->push_back(r);
-  const int64_t count = static_cast<int64_t>(live->size());
+    if (act[r] && tok[r] >= 0 && tok[r] < n) live.push_back(r);
+  const int64_t count = static_cast<int64_t>(live.size());
   // A row of a 152k vocabulary is tens of us: a helper from two rows on.
-  for_rows(pool, count, 2, [=](int64_t k) {
-    const int64_t r = (*live)[k];
+  for_rows(pool, count, 2, [&](int64_t k) {
+    const int64_t r = live[k];
     const float* row = xs + r * n;
     const float mx = max_and_top(row, n, j, tl + r * j, ti + r * j);
     int32_t above = 0;

@@ -37,6 +37,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+#include "cpu_tasks.h"  // for_tasks: a call's work shared with the pool's threads
+
 inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 
 inline float widen(float w) { return w; }
@@ -124,29 +126,12 @@ void group(const int32_t* slots, int64_t t, int64_t n, std::vector<int64_t>& ids
     if (slots[i] >= 0 && slots[i] < n) ids[at[slots[i]]++] = i;
 }
 
-// Runs part(0..parts) on the caller and the pool's workers, which take parts from a shared
-// counter (as cpu_matmul.cc's run): a worker that wakes late finds none left and the caller
-// has done them, so a slow hand-off costs nothing but the parts it would have taken.
+// Runs part(0..parts) on the caller and the pool's workers (cpu_tasks.h): a worker that
+// wakes late finds none left and the caller has done them, so a slow hand-off costs nothing
+// but the parts it would have taken.
 template <typename F>
 void in_parts(ffi::ThreadPool& pool, int64_t parts, F part) {
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  auto worker = [shared, parts, &part]() {
-    for (int64_t p; (p = shared->next.fetch_add(1)) < parts;) {
-      part(p);
-      shared->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), parts) - 1;
-  for (int64_t i = 0; i < helpers; ++i)
-    pool.Schedule([shared, parts, worker]() {
-      if (shared->next.load() < parts) worker();  // late: nothing left, `part` not touched
-    });
-  worker();
-  while (shared->done.load(std::memory_order_acquire) < parts) {
-  }  // parts taken by a worker finish within microseconds
+  for_tasks(pool, parts, std::min<int64_t>(pool.num_threads(), parts) - 1, part);
 }
 
 // How many parts a call's work is cut into: one under kParallelWork multiply-adds (a pool

@@ -481,6 +481,7 @@ ffi::Error packed_matmul_int4_coded(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   return ffi::Error::Success();
 }
 
+#include "cpu_tasks.h"  // for_tasks: a call's work shared with the pool's threads
 #include "cpu_argmax.h"  // greedy sampling's row argmax
 #include "cpu_logprobs.h"  // the sampled rows' logprobs, ranks and top J
 
