@@ -185,8 +185,9 @@ class Engine:
     def _place_adapters(self, seqs) -> None:
         """The sequences' adapters into device slots (lora/manager.py), before a step runs
         them; the runner's params re-read when a slot or a row's adapter changed."""
-        rows = [(s.slot, s.owner.lora) for s in seqs if s.slot >= 0]
-        if self.config.lora is not None and self.runner.adapters.place(rows):
+        if self.config.lora is None:
+            return  # no adapters: nothing to place (and no list built every step)
+        if self.runner.adapters.place([(s.slot, s.owner.lora) for s in seqs if s.slot >= 0]):
             self.runner.params = {**self.runner.params, "lora": self.runner.adapters.device_tree()}
 
     def narrow_outputs(self, request_id: str, logprobs: int | None,
