@@ -18,7 +18,7 @@ from paged_jax.cache import kv_quant
 from paged_jax.engine import Engine, EngineConfig, snapshot
 from paged_jax.engine import sleep as sleep_lib
 from paged_jax.engine.balance import Balancer
-from paged_jax.engine.beam_search import beam_search
+from paged_jax.engine.beam_search import output as beam_output
 from paged_jax.engine.config import scheduling
 from paged_jax.engine.input import prompt_ids
 from paged_jax.engine.speculative import SpeculativeConfig
@@ -241,7 +241,8 @@ class LLM:
         self, prompts: Seq, params: BeamSearchParams,
         lora_request: LoRARequest | Seq | None = None, use_tqdm: bool = False,
     ) -> list[BeamSearchOutput]:
-        """Beam search per prompt; beams share KV blocks through forks (see beam_search.py).
+        """Beam search per prompt, the prompts' searches in the same steps; beams share KV
+        blocks through forks (engine/beam_search.py).
 
         Args:
           prompts: prompts as in `generate` (str, {"prompt": ...}, {"prompt_token_ids": ...}).
@@ -253,14 +254,27 @@ class LLM:
         """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
-        prompts, outs = list(prompts), []
+        prompts, eng = list(prompts), self.llm_engine
+        if eng.has_unfinished():
+            raise RuntimeError("beam_search needs an idle engine")
         loras = per_prompt(lora_request, len(prompts))
-        for p, lora in tqdm(list(zip(prompts, loras, strict=True)), disable=_bar_off(use_tqdm),
-                            desc="Beam search"):
-            out, peak = beam_search(self.llm_engine, p, params, lora)
-            self.last_beam_peak_blocks = peak
-            outs.append(out)
-        return outs
+        reqs = []
+        try:
+            for i, (p, lora) in enumerate(zip(prompts, loras, strict=True)):
+                reqs.append(eng.add_beam_request(f"beam-search-{i}", p, params,
+                                                 lora_request=lora))
+        except ValueError:  # a bad prompt: none of them runs
+            for r in reqs:
+                eng.abort(r.request_id)
+            raise
+        bar = tqdm(total=len(reqs), desc="Beam search", disable=_bar_off(use_tqdm))
+        peak = 0
+        while eng.has_unfinished():  # every prompt's beams share the steps
+            bar.update(sum(o.finished for o in eng.step()))
+            peak = max(peak, eng.kv.blocks_used())
+        bar.close()
+        self.last_beam_peak_blocks = peak
+        return [beam_output(r, eng.tokenizer) for r in reqs]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

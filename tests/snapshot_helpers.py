@@ -17,7 +17,7 @@ from engine_helpers import engine, prompts  # noqa: E402
 from paged_jax.engine import snapshot  # noqa: E402
 from paged_jax.engine.sequence import Status  # noqa: E402
 from paged_jax.engine.speculative import SpeculativeConfig  # noqa: E402
-from paged_jax.sampling_params import SamplingParams  # noqa: E402
+from paged_jax.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
 
 # A small pool and long prompts: requests get preempted (recomputed or swapped) mid-run,
 # prompts take several chunks, and greedy, seeded and engine-seeded rows run side by side.
@@ -32,10 +32,17 @@ CONFIGS = {
 }
 
 
-def workload(n: int = 64) -> list[tuple[str, str, SamplingParams]]:
+def workload(n: int = 64, beams: bool = True
+             ) -> list[tuple[str, str, SamplingParams | BeamSearchParams]]:
+    """Sampled requests of every kind and, every eighth from the second, a beam search (a
+    sampled request there without `beams`)."""
     out = []
     for i in range(n):
         text = prompts(n)[i] + "abc abc " * (i % 5) + "x" * (40 * (i % 3))
+        if beams and i % 8 == 1:  # shorter prompts: W beams must fit the small pool together
+            out.append((f"r{i}", prompts(n)[i] + "abc " * (i % 5),
+                        BeamSearchParams(beam_width=2 + i // 8 % 2, max_tokens=24 + i % 7)))
+            continue
         kind = i % 4
         sp = SamplingParams(
             temperature=0.0 if kind == 0 else 0.9, seed=i if kind == 1 else None,
@@ -43,6 +50,13 @@ def workload(n: int = 64) -> list[tuple[str, str, SamplingParams]]:
             else 1.0, logprobs=2 if i % 5 == 0 else None, stop=["zz"] if i % 6 == 0 else None)
         out.append((f"r{i}", text, sp))
     return out
+
+
+def add(eng, rid: str, prompt: str, params) -> None:
+    if isinstance(params, BeamSearchParams):
+        eng.add_beam_request(rid, prompt, params)
+    else:
+        eng.add_request(rid, prompt, params)
 
 
 def build(name: str):
@@ -61,9 +75,11 @@ def finish(eng, done: dict | None = None) -> dict:
 
 def states(eng) -> dict[str, int]:
     """How many sequences are mid-prefill, decoding, waiting, preempted or swapped."""
-    count = {"prefill": 0, "decode": 0, "waiting": 0, "preempted": 0, "swapped": 0}
+    count = {"prefill": 0, "decode": 0, "waiting": 0, "preempted": 0, "swapped": 0,
+             "beams": 0}
     for req in eng.requests.values():
         count["preempted"] += req.num_preemptions > 0
+        count["beams"] += req.beam is not None and bool(req.forked)  # mid-search
         for s in req.seqs:
             count["swapped"] += s.swapped is not None
             if s.status == Status.WAITING or s.slot < 0:
@@ -78,7 +94,7 @@ def states(eng) -> dict[str, int]:
 def save_mid_run(path: str, name: str, steps: int) -> tuple[dict, dict]:
     eng = build(name)
     for rid, p, sp in workload():
-        eng.add_request(rid, p, sp)
+        add(eng, rid, p, sp)
     done = {}
     for _ in range(steps):
         for out in eng.step():

@@ -98,3 +98,62 @@ def test_a_bias_outside_the_vocabulary_or_an_untokenizable_bad_word_is_refused()
     with pytest.raises(ValueError, match="bad_words.*2 tokens"):  # bytes: " x" is two
         beam_search(eng, "x", BeamSearchParams(2, 3, bad_words=["x"]))
     assert all_free(eng) and not eng.has_unfinished()
+
+
+def _alone(prompt, params):
+    out, _ = beam_search(engine(), prompt, params)
+    return [(s.tokens, round(s.cum_logprob, 4)) for s in out.sequences]
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(num_kv_blocks=40, max_num_seqs=8),  # a small pool: beams and samples preempted
+    dict(num_kv_blocks=40, max_num_seqs=8, preemption_mode="swap", swap_space=1 << 30),
+    dict(num_kv_blocks=40, max_num_seqs=8, async_scheduling=True),
+])
+def test_beam_requests_run_beside_sampled_ones_and_through_preemption(overrides):
+    """Beam searches scheduled beside sampled requests, in a pool small enough to preempt
+    them (beams are recomputed, never swapped), find the beams they find alone; the sampled
+    requests get their own tokens; nothing is held afterwards (blocks or slots)."""
+    from paged_jax.sampling_params import SamplingParams
+    from tests.engine_helpers import prompts
+    eng = engine(check=True, **overrides)
+    beams = {f"b{i}": (p, BeamSearchParams(2 + i % 2, 14, ignore_eos=True))
+             for i, p in enumerate(prompts(3))}
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for i, p in enumerate(prompts(6)):  # the beams come in between: the latest preempted
+        eng.add_request(f"s{i}", p + " and some more words" * 3, greedy)
+        if i == 2:
+            reqs = {rid: eng.add_beam_request(rid, p, bp) for rid, (p, bp) in beams.items()}
+    outs = {}
+    for _ in range(2000):  # bounded: a beam that can never finish fails here, not hangs
+        outs |= {o.request_id: o for o in eng.step() if o.finished}
+        if not eng.has_unfinished():
+            break
+    assert not eng.has_unfinished() and eng.scheduler.num_preempted > 0
+    assert any(r.num_preemptions for r in reqs.values()), "no beam request was preempted"
+    from paged_jax.engine.beam_search import output
+    for rid, (p, bp) in beams.items():
+        got = [(s.tokens, round(s.cum_logprob, 4)) for s in output(reqs[rid], eng.tokenizer)
+               .sequences]
+        assert got == _alone(p, bp), rid
+        assert [c.token_ids for c in outs[rid].outputs] == [
+            s.tokens[len(reqs[rid].prompt_token_ids):] for s in output(
+                reqs[rid], eng.tokenizer).sequences]
+    alone = engine()
+    for i, p in enumerate(prompts(6)):
+        alone.add_request(f"s{i}", p + " and some more words" * 3, greedy)
+    while alone.has_unfinished():
+        for o in alone.step():
+            if o.finished:
+                assert o.outputs[0].token_ids == outs[o.request_id].outputs[0].token_ids
+    assert all_free(eng) and len(eng.kv.free_slots) == eng.config.max_num_seqs
+
+
+def test_an_aborted_beam_request_gives_back_its_blocks_and_slots():
+    eng = engine(check=True)
+    eng.add_beam_request("b", "beam me up", BeamSearchParams(3, 20, ignore_eos=True))
+    for _ in range(4):  # past its first forks
+        eng.step()
+    assert eng.requests["b"].forked
+    eng.abort("b")
+    assert all_free(eng) and len(eng.kv.free_slots) == eng.config.max_num_seqs

@@ -346,3 +346,20 @@ def test_a_long_run_holds_no_more_than_a_short_one():
     short = footprint(eng)
     serve(4_096)
     assert footprint(eng) == short
+
+
+def test_a_finished_sample_takes_no_slot_when_its_request_is_admitted_again():
+    """An n = 2 request whose first sample has ended (a stop string would end it) is
+    preempted and admitted again: only its live sample gets a slot back, so every slot is
+    free once it finishes (a slot given to the finished one was held for good before)."""
+    eng = engine(check=True, max_num_seqs=4)
+    req = eng.add_request("a", "hello there", SamplingParams(
+        n=2, temperature=0.8, seed=1, max_tokens=12, ignore_eos=True))
+    while not req.forked:
+        eng.step()
+    eng.step()
+    eng.scheduler.free([req.seqs[1]])
+    eng.scheduler.preempt(req)
+    while eng.has_unfinished():
+        eng.step()
+    assert all_free(eng) and len(eng.kv.free_slots) == 4 and not eng.kv.owners

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def uninterrupted(name: str) -> dict:
     eng = sh.build(name)
     for rid, p, sp in sh.workload():
-        eng.add_request(rid, p, sp)
+        sh.add(eng, rid, p, sp)
     return sh.finish(eng)
 
 
@@ -40,6 +40,7 @@ def test_restored_engine_finishes_with_the_same_tokens(tmp_path, name, steps):
     built = PROGRAMS.built
     done, seen = sh.save_mid_run(str(tmp_path / "s"), name, steps)
     assert seen["waiting"] and seen["decode"] and (seen["swapped"] or name != "swap")
+    assert seen["beams"], seen  # beam searches mid-run are in the snapshot
     eng = sh.build(name)
     extra = snapshot.restore(eng, tmp_path / "s")
     assert len(eng.requests) + len(extra["done"]) == 64
@@ -49,15 +50,17 @@ def test_restored_engine_finishes_with_the_same_tokens(tmp_path, name, steps):
 
 def test_snapshot_outlives_the_process_that_saved_it(tmp_path):
     """The worker saves 64 requests mid-run (one mid-prefill, preempted ones, n = 2 rows,
-    greedy, seeded and engine-seeded sampling, stop strings) and SIGKILLs itself."""
+    beam searches, greedy, seeded and engine-seeded sampling, stop strings) and SIGKILLs
+    itself."""
     path = tmp_path / "snap"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "snapshot_helpers.py"),
-                           str(path), "sync", "17"], capture_output=True, text=True,
+                           str(path), "sync", "45"], capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == -9, proc.stderr[-2000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["prefill"] and seen["decode"] and seen["preempted"] and seen["waiting"]
+    assert seen["beams"], seen
     eng = sh.build("sync")
     extra = snapshot.restore(eng, path)
     assert sh.finish(eng, extra["done"]) == uninterrupted("sync")

@@ -299,7 +299,7 @@ def test_an_n_gt_1_prompt_forks_in_a_plain_step_not_a_verify():
     mix (snapshot_helpers' first 8 requests) leaves such a token."""
     from tests.snapshot_helpers import workload
 
-    reqs = workload()[:8]
+    reqs = workload(beams=False)[:8]
     spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
     eng = engine(speculative=spec, num_kv_blocks=400, decode_window=1)
     done = run(eng, reqs)

@@ -10,8 +10,26 @@ and whether a request's LoRA adapter can get a device slot beside the running on
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from paged_jax.engine.sequence import Request
+
+if TYPE_CHECKING:
+    from paged_jax.engine.kv_manager import KVManager
+
+
+def queue(waiting: list[Request], kv: KVManager, mode: str, skips: dict[str, int],
+          max_skips: int) -> list[Request]:
+    """Waiting requests in admission order (`mode`: "fcfs" or "cache-aware")."""
+    if mode != "cache-aware" or kv.prefix is None:
+        return list(waiting)
+
+    def cached_len(req: Request) -> int:
+        if not kv.fresh(req) or req.params.prompt_logprobs is not None:
+            return 0
+        return kv.prefix.lookup(req.seqs[0]).num_tokens
+
+    return cache_aware_order(waiting, cached_len, skips, max_skips)
 
 
 def cache_aware_order(

@@ -49,7 +49,6 @@ import numpy as np
 
 from paged_jax.cache.ops import KVOps, no_ops
 from paged_jax.engine.draft import DraftBatch
-from paged_jax.engine.kv_manager import copies_on_write
 from paged_jax.engine.plan import Admit, Plan
 from paged_jax.engine.sequence import Sequence
 from paged_jax.engine.step import Admissions, StepBatch, StepShape
@@ -119,10 +118,8 @@ def build(plan: Plan, ec, eos_ids: list[int], vocab_size: int, backend: str) -> 
             shape = dataclasses.replace(shape, draft_q=q)
         return Call("verify", rows, ops, shape, dataclasses.replace(batch, ops=ops, own=own),
                     draft=draft)
-    if plan.flags is not None:
-        shape = dataclasses.replace(shape, flags=plan.flags)
-    own = np.zeros(batch.row_slots.shape[0], bool)
-    own[:len(rows)] = plan.owned  # padding rows own nothing
+    own = np.zeros(batch.row_slots.shape[0], bool)  # padding rows own nothing
+    own[:len(rows)] = [s.owner.device_settles for s in rows]
     return Call("step", rows, ops, shape, dataclasses.replace(batch, ops=ops, own=own),
                 forks=forks)
 
@@ -157,17 +154,18 @@ PAGED_COST_BACKENDS = ("reference", "pallas", "pallas-triton", "pallas-mosaic")
 
 
 def _flags(rows: list[Sequence], ec) -> smp.SampleFlags:
-    if ec.static_shapes:  # every feature on but structured outputs' masks (sent when needed)
-        return smp.SampleFlags(num_top_logprobs=ec.max_logprobs,
-                               grammar=any(s.matcher is not None for s in rows))
     reqs = {id(s.owner): s.owner for s in rows}.values()
-    return smp.SampleFlags.of([r.params for r in reqs], ec.max_logprobs)
+    # J: max_logprobs, or a beam search's (2W; every token's under a logit bias)
+    j = max([ec.max_logprobs] + [r.beam.num_logprobs for r in reqs if r.beam is not None])
+    if ec.static_shapes:  # every feature on but structured outputs' masks (sent when needed)
+        return smp.SampleFlags(num_top_logprobs=j, grammar=any(s.matcher is not None for s in rows))
+    return smp.SampleFlags.of([r.params for r in reqs], j)
 
 
 def _copies(chunks: list[tuple[Sequence, int]], ec, rows: int) -> int:
     """Copy-on-write bound: all rows when any writes into a last block that may be shared
     (as the KV manager counts them), else none."""
-    shared = any(copies_on_write(seq, c, ec.block_size) for seq, c in chunks)
+    shared = any(seq.copies_on_write(c, ec.block_size) for seq, c in chunks)
     return rows * ec.num_groups if shared or ec.static_shapes else 0
 
 

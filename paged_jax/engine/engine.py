@@ -17,9 +17,9 @@ Async scheduling (EngineConfig.async_scheduling, vLLM's name) reads each step on
 
 A sequence that step n finishes (stop token, stop string, abort) may compute one more token in
 step n+1, which is discarded. What needs exact counts waits for the step in flight first: a
-plan that would preempt, an n > 1 request forking, beam search, an engine going idle; and
-while a request with structured outputs runs, no step is planned ahead at all (its next
-mask follows from the token the step in flight samples).
+plan that would preempt, an n > 1 request forking, an engine going idle; and while a
+request with structured outputs or a beam search runs, no step is planned ahead at all (its
+next mask, or next beams, follow from what the step in flight returns).
 
 Who owns what: the scheduler the queues, sequence states and a step's results; the KV
 manager every host fact of the KV cache (slots, free counts, prefix cache, queued ops); the
@@ -34,6 +34,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
+from paged_jax.engine import beam_search as beams
 from paged_jax.engine import input as inp
 from paged_jax.engine import warmup
 from paged_jax.engine.config import EngineConfig
@@ -43,14 +44,13 @@ from paged_jax.engine.plan import Plan
 from paged_jax.engine.policy import Policy
 from paged_jax.engine.runner import Pending, Runner, StepOutput
 from paged_jax.engine.scheduler import Scheduler, SchedulerConfig
-from paged_jax.engine.sequence import Request, Sequence
+from paged_jax.engine.sequence import Request
 from paged_jax.engine.speculative import check_draft
 from paged_jax.engine.state import Sleeping
 from paged_jax.lora.request import LoRARequest
 from paged_jax.models import ModelConfig, Params
 from paged_jax.outputs import RequestOutput
-from paged_jax.sample.sampler import SampleFlags
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from paged_jax.models.tokenizer import Tokenizer
@@ -161,16 +161,34 @@ class Engine:
     ) -> Request:
         """Queues a request (with `lora_request`, under that adapter: paged_jax/lora); raises
         ValueError when it can never be served."""
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        Sleeping.check(self.asleep)
+        self._check_new(request_id)
         req = inp.make_request(request_id, prompt, params or SamplingParams(), self.tokenizer,
                                self.config, self.model_config,
                                arrival_time if arrival_time is not None else time.time())
         if req.params.structured_outputs is not None:
             self.constraints.attach(req)  # ValueError when it is invalid
+        return self._queue(req, lora_request)
+
+    def add_beam_request(
+        self, request_id: str, prompt: str | list[int] | dict, params: BeamSearchParams,
+        arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+    ) -> Request:
+        """Queues a beam search (engine/beam_search.py), scheduled beside other requests; its
+        outputs are its best beams, best first (`beam_search.output` gives vLLM's form)."""
+        self._check_new(request_id)
+        req = beams.make_request(request_id, prompt, params, self.tokenizer, self.config,
+                                 self.model_config,
+                                 arrival_time if arrival_time is not None else time.time())
+        return self._queue(req, lora_request)
+
+    def _check_new(self, request_id: str) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        Sleeping.check(self.asleep)
+
+    def _queue(self, req: Request, lora_request: LoRARequest | None) -> Request:
         req.lora = self.check_adapter(lora_request)
-        self.requests[request_id] = req
+        self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req
 
@@ -231,9 +249,9 @@ class Engine:
         """Runs one scheduled step (or decode window); returns outputs of touched requests
         (with async scheduling: sends the next step, then reads the one before)."""
         t0, preempted = time.perf_counter(), self.scheduler.num_preempted
-        if self.config.async_scheduling and not self.scheduler.constrained_running():
+        if self.config.async_scheduling and not self.scheduler.host_picks_running():
             plan, out, touched = self._step_ahead()
-        else:  # a constrained row's mask needs its last token: nothing is planned ahead
+        else:  # a row the host picks for needs the last step's output first
             touched = self._drain()
             plan = self.scheduler.schedule()
             out, news = self._read(plan, self._send(plan))
@@ -301,72 +319,6 @@ class Engine:
         if self.check:
             self.kv.check()
 
-    # ---- sequences the caller drives (beam search) -----------------------------------------
-    def compute(self, seqs: list[Sequence], top_logprobs: int) -> list[list[tuple[int, float]]]:
-        """Computes the pending tokens of sequences outside the scheduler, greedily.
-
-        For callers that pick every next token themselves (beam search): runs ragged steps of
-        at most max_num_batched_tokens tokens until each sequence's K/V is cached, and returns
-        each one's top `top_logprobs` next tokens as (token id, logprob), best first.
-        Sequences without a slot get one. Their blocks are not registered in the prefix cache.
-
-        Raises:
-          ValueError: a sequence has no pending token.
-          RuntimeError: sequence slots or KV blocks ran out.
-        """
-        if any(s.num_pending == 0 for s in seqs):
-            raise ValueError("every sequence passed to compute needs a pending token")
-        if self._in_flight is not None:
-            raise RuntimeError("compute runs on an engine with no step in flight")
-        if not self.kv.can_allocate(seqs):
-            raise RuntimeError(f"{len(seqs)} sequences need free slots; raise max_num_seqs")
-        self.kv.allocate(seqs)
-        admits, _ = self.kv.bring_live(seqs)
-        flags = SampleFlags(random=False, filters=False, penalties=False, logprobs=True,
-                            num_top_logprobs=top_logprobs, bias=False)
-        top: dict[int, list[tuple[int, float]]] = {}
-        while pending := [s for s in seqs if s.num_pending]:
-            out = self._compute_step(pending, admits, flags)
-            admits = []
-            for i, seq in enumerate(out.rows):
-                if out.valid[0, i]:
-                    top[id(seq)] = list(zip(out.top_ids[0, i].tolist(),
-                                            out.top_logprobs[0, i].tolist(), strict=True))
-        return [top[id(s)] for s in seqs]
-
-    def _compute_step(self, pending: list[Sequence], admits: list,
-                      flags: SampleFlags) -> StepOutput:
-        budget, chunks = self.config.max_num_batched_tokens, []
-        for s in pending:
-            if (n := min(s.num_pending, budget)) > 0:
-                chunks.append((s, n))
-                budget -= n
-        self.kv.room_for(chunks, decode_only=False)
-        ops, sent = self.kv.take_ops()
-        plan = Plan(chunks=chunks, admits=admits, ops=ops, sent=sent, flags=flags, owned=False)
-        self._place_adapters(s for s, _ in chunks)
-        out = self.runner.run(plan)
-        starts = {id(s): s.num_computed for s, _ in chunks}
-        counts = {id(s): n for s, n in chunks}
-        if out.ok:
-            self.kv.advance(chunks)
-        self.kv.update_from_output(
-            [(s, starts.get(id(s), 0), counts.get(id(s), 0)) for s in out.rows] if out.ok
-            else [], out, sent, owned=False)
-        if not out.ok:
-            raise RuntimeError("the KV cache cannot hold these sequences")
-        return out
-
-    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
-        """Children share all of `parent`'s blocks (copy-on-write), each in a slot of its own;
-        their device sampling rows keep the slot's last user's (`compute` reads raw logits)."""
-        self.kv.fork(parent, children)
-
-    def release(self, seqs: list[Sequence]) -> None:
-        """Frees the blocks and slots of sequences outside the scheduler (queued for the next
-        call; `settle` applies them when nothing else runs)."""
-        self.scheduler.free(seqs)
-
     # ---- outputs -------------------------------------------------------------------------
     def _outputs(self, touched: list[Request]) -> list[RequestOutput]:
         """Outputs of the touched requests still in the engine (an aborted one reports no
@@ -378,7 +330,8 @@ class Engine:
             self.requests.pop(req.request_id, None)
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=[s.completion() for s in req.seqs], finished=req.finished,
+            outputs=[s.completion() for s in req.seqs] if req.beam is None
+            else beams.completions(req, self.tokenizer), finished=req.finished,
             metrics=req.metrics, num_cached_tokens=req.num_cached_tokens,
             prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
             hidden_states=req.hidden_states, num_preemptions=req.num_preemptions)

@@ -46,12 +46,6 @@ from paged_jax.engine.sequence import Request, Sequence
 from paged_jax.sizes import cdiv
 
 
-def copies_on_write(seq: Sequence, n: int, block_size: int) -> bool:
-    """Whether writing `n` more tokens may copy the sequence's last block first: it is partly
-    filled and may be shared (a fork, or a prefix hit that ends inside it)."""
-    return bool(seq.maybe_shared_last and seq.num_computed % block_size and n > 0)
-
-
 class Device(Protocol):
     """What the KV manager reads of the device outside calls (swap-outs, checks)."""
 
@@ -126,7 +120,7 @@ class KVManager:
         restore = cc.blocks_for(seq.num_computed) if seq.swapped is not None else 0
         # Every group takes the new columns; sliding ones drop old ones after the step (slide).
         grow = cdiv(seq.num_computed + n, k) - cdiv(seq.num_computed, k)
-        return restore + cc.num_groups * (grow + int(copies_on_write(seq, n, k)))
+        return restore + cc.num_groups * (grow + int(seq.copies_on_write(n, k)))
 
     def has_ops(self) -> bool:
         return bool(self._release or self._evict or self._unmark or self._forks)
@@ -291,17 +285,18 @@ class KVManager:
 
     # ---- after a call --------------------------------------------------------------------
     def update_from_output(self, rows: list[tuple[Sequence, int, int]], out, sent: Sent,
-                           owned: bool = True, dead: dict[int, int] | None = None) -> None:
+                           dead: dict[int, int] | None = None) -> None:
         """Takes the output of the call `sent` records: the free count; per row (sequence,
         start, tokens computed; `dead`: row -> slot, see `_undo_dead`) that the device settled
-        (`owned`), blocks it marked cached registered (or unmarked if not kept) and a stop
-        noted as released (`free` then does only the host's part); cached blocks that reached
-        refcount 0 join the LRU queue."""
+        (Request.device_settles), blocks it marked cached registered (or unmarked if not
+        kept) and a stop noted as released (`free` then does only the host's part); cached
+        blocks that reached refcount 0 join the LRU queue."""
         self.num_free = int(out.num_free)
         self._outstanding.remove(sent)
         gone = list(sent.releases)
         self._device_released = set()
         for i, (seq, start, n) in enumerate(rows):
+            owned = seq.owner.device_settles
             full = out.full_blocks[i] if owned and self.prefix is not None else None
             if dead and i in dead:
                 self._undo_dead(seq, start + n, dead[i], full, owned and out.finished[i], gone)
@@ -354,14 +349,16 @@ class KVManager:
                 self.free_slots.append(s.slot)
                 s.slot = -1
 
-    def preempt(self, seqs: list[Sequence]) -> int:
-        """Preempts running sequences: their blocks are released in the next call (swapped to
-        the host first while swap space lasts, else recomputed later); they keep their slots
-        (and so their sampling state). Returns what this may give back (see pending_free)."""
-        hi = self._release_hi
+    def preempt(self, seqs: list[Sequence], swap: bool = True) -> int:
+        """Preempts running sequences: their blocks are released in the next call (swapped
+        out first while swap space lasts, if `swap` and not a queued fork's child; else
+        recomputed later); they keep their slots (and sampling state). Returns what this may
+        give back (see pending_free)."""
+        hi, forked = self._release_hi, {dst for _, dst in self._forks}
         for s in seqs:
             size = self.config.blocks_for(s.num_computed) * self.block_bytes
-            if self.swap and self.swapped_bytes + size <= self.swap_space:
+            if swap and self.swap and self.swapped_bytes + size <= self.swap_space and (
+                    s.slot not in forked):
                 s.swapped = self._swap_out(s)
                 self.swapped_bytes += size
         self._release_blocks(seqs)
@@ -372,9 +369,14 @@ class KVManager:
         return self._release_hi - hi
 
     def _release_blocks(self, seqs: list[Sequence]) -> None:
+        """Queues releases of their blocks; a child whose fork is queued holds none: its fork
+        is dropped (a queued release of its slot's earlier owner stays: releases run first)."""
         for s in seqs:
             if s.slot >= 0 and self.slot_live[s.slot]:
                 self.slot_live[s.slot] = False
+                if s.slot in {dst for _, dst in self._forks}:
+                    self._forks = [f for f in self._forks if f[1] != s.slot]
+                    continue
                 self._release[s.slot] = (s, s.num_computed)
                 self._release_hi += self.config.blocks_for(s.num_computed)
 

@@ -40,8 +40,8 @@ def mirror_errors(kv: Mirror, pool: BlockPool, table: PageTable) -> list[str]:
     if int(num_free) != kv.num_free:
         errors.append(f"free count: host {kv.num_free}, device {int(num_free)}")
     live = kv.slot_live.copy()
-    live[list(kv.release)] = True  # released in the next call
     live[[dst for _, dst in kv.forks]] = False  # forked in the next call
+    live[list(kv.release)] = True  # released in the next call, first (a fork may reuse it)
     if not np.array_equal(live, dev_live):
         errors.append(f"live slots: host {np.nonzero(live)[0]}, "
                       f"device {np.nonzero(dev_live)[0]}")

@@ -20,7 +20,6 @@ import numpy as np
 
 from paged_jax.cache.prefix_cache import Hit
 from paged_jax.engine.sequence import Request, Sequence
-from paged_jax.sample.sampler import SampleFlags
 
 
 @dataclasses.dataclass
@@ -67,8 +66,6 @@ class Plan:
     drafts: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     # id(seq) -> (draft_computed, tokens) the draft model reads first (engine/draft.py)
     catchup: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
-    flags: SampleFlags | None = None  # sampler features, if not the rows' own (beam search)
-    owned: bool = True  # the device settles the rows (step.settle); not beam search's
     deferred: int = 0  # sequences that wait for blocks a pending release gives back
     sent: Sent | None = None  # the KV manager's record of the call (take_ops)
     # Filled when the call is sent (Scheduler.sent), read when its output lands: each row's
@@ -91,9 +88,10 @@ class Plan:
         return bool(self.chunks) and all(n == 1 == s.num_pending for s, n in self.chunks)
 
     @property
-    def constrained(self) -> bool:
-        """Some row has structured outputs (its steps carry masks: no window, no drafts)."""
-        return any(s.matcher is not None for s, _ in self.chunks)
+    def host_picks(self) -> bool:
+        """Some row's next token follows from this call's output on the host: structured
+        outputs (its next mask) or beam search (its next beams). No window then."""
+        return any(s.matcher is not None or s.owner.beam is not None for s, _ in self.chunks)
 
     @property
     def empty(self) -> bool:

@@ -41,6 +41,7 @@ import time
 from typing import TYPE_CHECKING
 
 from paged_jax.engine import admission
+from paged_jax.engine import beam_search as beams
 from paged_jax.engine import output as out_lib
 from paged_jax.engine import speculative as spec_lib
 from paged_jax.engine.kv_manager import KVManager
@@ -120,7 +121,7 @@ class Scheduler:
         """Drops a request wherever it is; everything it holds is freed."""
         for s in req.live_seqs():
             s.finish_reason = "abort"
-        self.free(req.live_seqs())
+        self.free(req.held_seqs())
         self._drop(req)
 
     def _drop(self, req: Request) -> None:
@@ -135,7 +136,9 @@ class Scheduler:
         """Releases a running request's blocks (swapped out first in swap mode) and puts it
         back at the front of the queue; returns what the release may give back (at most)."""
         seqs = [s for s in req.seqs if s.status is Status.RUNNING]
-        freed = self.kv.preempt(seqs)
+        freed = self.kv.preempt(seqs, swap=req.beam is None)  # beams recompute (beam_search.py)
+        if req.beam is not None:
+            req.beam.tops.clear()  # each beam computes its last token again
         for s in seqs:
             s.status = Status.WAITING
         self.requeue_front(req)
@@ -156,7 +159,7 @@ class Scheduler:
             for req in sorted(self.running, key=lambda r: r.order):
                 for seq in [s for s in req.seqs if s.status is Status.RUNNING]:
                     if budget == 0 or (seq.num_pending == 1) != want_decode or (
-                            seq.num_placeholders and seq.at_max_tokens()):
+                            seq.num_placeholders and seq.at_max_tokens()) or not seq.num_pending:
                         continue
                     n = self._chunk(seq, budget)
                     need = self.kv.blocks_needed(seq, n)
@@ -209,7 +212,7 @@ class Scheduler:
         """Whether a plan runs as a decode window: decodes only, and nothing joins first."""
         if (self.config.decode_window < 2 or self.config.async_scheduling
                 or not plan.decode_only or plan.admitted or self._speculating(plan)
-                or plan.constrained):
+                or plan.host_picks):
             return False
         for s, _ in plan.chunks:
             # a one-token prefill chunk (budget or long-prefill cap) is not a decode; going
@@ -243,7 +246,8 @@ class Scheduler:
         """Admits waiting requests in order while they fit; returns the budget and the free
         blocks left."""
         before = list(self.waiting)
-        queue = self._queue()
+        queue = admission.queue(self.waiting, self.kv, self.config.admission, self.skips,
+                                self.config.max_skips)
         while queue and budget > 0:
             left = self._admit_one(queue[0], plan, budget, free)
             if left is None:
@@ -254,26 +258,14 @@ class Scheduler:
             admission.count_skips(before, plan.admitted, self.skips)
         return budget, free
 
-    def _queue(self) -> list[Request]:
-        """Waiting requests in admission order."""
-        if self.config.admission != "cache-aware" or self.kv.prefix is None:
-            return list(self.waiting)
-        return admission.cache_aware_order(self.waiting, self._cached_len, self.skips,
-                                           self.config.max_skips)
-
-    def _cached_len(self, req: Request) -> int:
-        if not self.kv.fresh(req) or req.params.prompt_logprobs is not None:
-            return 0
-        return self.kv.prefix.lookup(req.seqs[0]).num_tokens
-
     def _admit_one(self, req: Request, plan: Plan, budget: int,
                    free: int) -> tuple[int, int] | None:
         """Admits `req` into the plan if slots, policy, budget and blocks allow; returns the
         budget and free blocks left, or None (admission stops here)."""
         first = req.live_seqs()[0] if req.forked else req.seqs[0]
         seqs = req.live_seqs() if req.forked else [req.seqs[0]]
-        if not (self.kv.can_allocate(req.seqs) and self.kv.settled(req) and admission.adapter_fits(
-                req, self.running, self.config.max_loras)
+        if not (self.kv.can_allocate(req.held_seqs()) and self.kv.settled(req)
+                and admission.adapter_fits(req, self.running, self.config.max_loras)
                 and self.policy.admits(req, self.running, self.waiting)):
             return None
         hit = self.kv.try_hit(req)
@@ -292,7 +284,7 @@ class Scheduler:
         self.waiting.remove(req)
         self.skips.pop(req.request_id, None)
         self.kv.admit_hit(req, hit, first_time=req.order < 0)
-        self.kv.allocate(req.seqs)
+        self.kv.allocate(req.held_seqs())  # not finished ones: their slots are gone for good
         for s in seqs:
             s.status = Status.RUNNING
         if req.order < 0:
@@ -303,10 +295,12 @@ class Scheduler:
         plan.admitted.append(req)
         return left, free - need
 
-    def constrained_running(self) -> bool:
-        """Whether a running sequence has structured outputs: each of its steps needs a mask
-        made from every token before it, so the engine plans no step ahead (async off)."""
-        return any(s.matcher is not None for r in self.running for s in r.seqs)
+    def host_picks_running(self) -> bool:
+        """Whether a running request's next tokens follow from the last step's output on the
+        host (structured outputs' masks, beam search's beams): the engine then plans no step
+        ahead (async off)."""
+        return any(r.beam is not None or any(s.matcher is not None for s in r.seqs)
+                   for r in self.running)
 
     # ---- results -------------------------------------------------------------------------
     def sent(self, plan: Plan, children: list[Sequence]) -> None:
@@ -358,6 +352,10 @@ class Scheduler:
                 continue
             seq.num_placeholders -= id(seq) in plan.samples and out.kind != "window"
             emitted = int(out.valid[:, i].sum())
+            if seq.owner.beam is not None:  # candidates, not a token (engine/beam_search.py)
+                beams.record(seq, out, i, self.tokenizer)
+                rows.append((seq, plan.starts[id(seq)], counts[id(seq)]))
+                continue
             used, done = out_lib.emit(seq, out, i, emitted, self.tokenizer)
             start = plan.starts.get(id(seq), seq.num_computed)
             if out.kind == "window" or id(seq) in plan.drafts:
@@ -380,6 +378,8 @@ class Scheduler:
             for c in children:
                 c.status = Status.RUNNING
             parent.owner.forked = True
+        for req in dict.fromkeys(s.owner for s in out.rows if s.owner.beam is not None):
+            finished += beams.advance(req, self.kv, self.free, self.tokenizer)
         return self._finish(finished, plan)
 
     def _undo(self, plan: Plan) -> None:

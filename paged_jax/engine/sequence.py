@@ -64,6 +64,9 @@ class Sequence:
     # Structured outputs: where its tokens are in the request's constraint (sample/grammar.py
     # Matcher), made at submission, advanced only by the output processing with its tokens.
     matcher: object = None
+    # Beam search (engine/beam_search.py): a slot held for a beam's fork to come; it holds no
+    # K/V and computes nothing (not among its request's live_seqs).
+    spare: bool = False
     owner: Request | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
@@ -79,6 +82,11 @@ class Sequence:
     def num_pending(self) -> int:
         """Tokens whose K/V the next steps must compute."""
         return self.length - self.num_computed
+
+    def copies_on_write(self, n: int, block_size: int) -> bool:
+        """Whether writing `n` more tokens may copy its last block first: it is partly filled
+        and may be shared (a fork, or a prefix hit that ends inside it)."""
+        return bool(self.maybe_shared_last and self.num_computed % block_size and n > 0)
 
     def at_max_tokens(self) -> bool:
         """Its output (placeholders counted) is as long as max_tokens allows."""
@@ -129,6 +137,13 @@ class Request:
     hidden_states: np.ndarray | None = None  # SamplingParams.return_hidden_states
     num_preemptions: int = 0  # times preempted (vLLM's num_preemptions)
     lora: object = None  # its LoRARequest (paged_jax/lora), None: the base model
+    beam: object = None  # a beam search's BeamRun (engine/beam_search.py); None: sampled
+
+    @property
+    def device_settles(self) -> bool:
+        """Whether the device settles its rows after a call (stops, cached blocks): every
+        request's but a beam search's, whose next tokens and ends the host picks."""
+        return self.beam is None
 
     def __post_init__(self) -> None:
         if self.metrics is None:
@@ -139,4 +154,8 @@ class Request:
         return all(s.status is Status.FINISHED for s in self.seqs)
 
     def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if s.status is not Status.FINISHED and not s.spare]
+
+    def held_seqs(self) -> list[Sequence]:
+        """Its sequences that hold a slot or may get one (live ones and beam spares)."""
         return [s for s in self.seqs if s.status is not Status.FINISHED]

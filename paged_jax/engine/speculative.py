@@ -172,7 +172,9 @@ def add_drafts(plan: Plan, spec: SpeculativeConfig, kv: KVManager, budget: int,
             or not all(kv.slot_live[s.slot] for s, _ in plan.chunks)
             # an n > 1 prompt's last token forks its children: a plain step does that,
             # a verify call does not (its children's rows would be written, not forked)
-            or any(s.owner.params.n > 1 and not s.owner.forked for s, _ in plan.chunks)):
+            or any(s.owner.params.n > 1 and not s.owner.forked for s, _ in plan.chunks)
+            # a beam's next tokens are the host's choice (engine/beam_search.py)
+            or any(s.owner.beam is not None for s, _ in plan.chunks)):
         return
     for i, (seq, _) in enumerate(plan.chunks):
         room = min(spec.k, budget, seq.owner.params.max_tokens - len(seq.output_ids) - 1)
