@@ -312,6 +312,11 @@ class BeamSearchParams:
                              "(it has no stop strings); pass False.")
         self.bias_params()  # SamplingParams' checks name a bad logit_bias / allowed / bad word
 
+    @property
+    def n(self) -> int:
+        """Outputs per prompt: the beams (a server's `n`)."""
+        return self.beam_width
+
     def bias_params(self) -> SamplingParams:
         """Greedy SamplingParams carrying this search's logit bias, allowed ids and bad words
         (what the engine's input checks and `bias_row` read)."""

@@ -246,3 +246,33 @@ def test_async_scheduling_streams_one_token_per_chunk_under_load():
             running = metric(httpx.get(srv.url + "/metrics", timeout=10).text,
                              "vllm:num_requests_running")
         assert running == 0
+
+
+def test_beam_search_on_completions_runs_beside_sampled_requests():
+    """vLLM's `use_beam_search`: n beams, best first, the offline LLM.beam_search's, while
+    sampled requests run in the same steps and get their own tokens; fields beam search does
+    not read are refused by name (stream included), and the server keeps serving."""
+    from paged_jax.sampling_params import BeamSearchParams
+    want = tiny_llm().beam_search(["beam me up"], BeamSearchParams(3, 8, ignore_eos=True))[0]
+    prompts = [f"side {i} " * 3 for i in range(4)]
+    beam = dict(model=MODEL, prompt="beam me up", n=3, max_tokens=8,
+                extra_body={"use_beam_search": True, "ignore_eos": True})
+
+    async def mixed(c):
+        return await asyncio.gather(c.completions.create(**beam), *(
+            c.completions.create(model=MODEL, prompt=p, **GREEDY) for p in prompts))
+
+    with serve() as srv:
+        res, *side = asyncio.run(mixed(client(srv, openai.AsyncOpenAI)))
+        got = sorted(res.choices, key=lambda ch: ch.index)
+        assert [ch.text for ch in got] == [s.text for s in want.sequences]
+        assert res.usage.completion_tokens == 3 * 8 and got[0].logprobs is None
+        assert [r.choices[0].text for r in side] == offline(prompts)
+        for bad in ({"stream": True}, {"stop": ["x"]}, {"logprobs": 2}, {"temperature": 0.5},
+                    {"n": 0}):
+            r = httpx.post(srv.url + "/v1/completions", timeout=30, json={
+                "model": MODEL, "prompt": "x", "use_beam_search": True, **bad})
+            assert r.status_code == 400, (bad, r.text)
+            assert r.json()["error"]["param"] == next(iter(bad)), r.json()
+        res = client(srv).completions.create(model=MODEL, prompt="fine", **GREEDY)
+        assert res.choices[0].text == offline(["fine"])[0]

@@ -212,9 +212,10 @@ def output(req: Request, tok: Tokenizer | None) -> BeamSearchOutput:
 
 
 def completions(req: Request, tok: Tokenizer | None) -> list[CompletionOutput]:
-    """`output` as a RequestOutput's completions (generated tokens only), best first."""
+    """`output` as a RequestOutput's completions (generated tokens only), best first; the
+    per-position candidates stay in `output` (nobody asked for logprobs here)."""
     return [CompletionOutput(index=i, text=b.text, token_ids=b.tokens[len(req.prompt_token_ids):],
-                             cumulative_logprob=b.cum_logprob, logprobs=b.logprobs or None,
+                             cumulative_logprob=b.cum_logprob, logprobs=None,
                              finish_reason=b.finish_reason)
             for i, b in enumerate(output(req, tok).sequences)]
 

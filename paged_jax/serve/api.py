@@ -34,6 +34,7 @@ from paged_jax.llm import LLM
 from paged_jax.lora.request import LoRARequest
 from paged_jax.outputs import RequestOutput
 from paged_jax.routing.router import RoutedLLM
+from paged_jax.sampling_params import BeamSearchParams
 from paged_jax.serve import admin, sse
 from paged_jax.serve import protocol as proto
 from paged_jax.serve.async_engine import AsyncEngine, QueueFull, RequestStream
@@ -176,6 +177,9 @@ def _lineage(srv: Served | None) -> dict:
 async def completions(request: Request):
     body, srv = await _body(request)
     prompts, params = proto.completion_request(body)
+    if srv is None and isinstance(params, BeamSearchParams):
+        raise proto.BadRequest("use_beam_search needs a named model: the router picks a model "
+                               "per request from one sampled answer", "model")
     rid = proto.new_id("cmpl")
     streams = await _submit(request.app, srv, prompts, params, rid)
     if body.get("stream"):

@@ -28,7 +28,7 @@ import jax
 
 from paged_jax.engine import Engine
 from paged_jax.outputs import RequestOutput
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.sampling_params import BeamSearchParams, SamplingParams
 
 
 class QueueFull(RuntimeError):
@@ -135,11 +135,12 @@ class AsyncEngine:
         with self._lock:
             return len(self._streams)
 
-    def submit(self, prompt: str | list[int] | dict, params: SamplingParams,
+    def submit(self, prompt: str | list[int] | dict, params: SamplingParams | BeamSearchParams,
                request_id: str | None = None, lora=None) -> RequestStream:
-        """Queues a request for the engine thread (call from an event loop's thread), under
-        LoRA adapter `lora` if given; its outputs arrive on the returned stream. The engine's
-        refusal (prompt too long, ...) arrives there too, as the stream's first item.
+        """Queues a request (a beam search for BeamSearchParams) for the engine thread (call
+        from an event loop's thread), under LoRA adapter `lora` if given; its outputs arrive
+        on the returned stream. The engine's refusal (prompt too long, ...) arrives there
+        too, as the stream's first item.
 
         Raises:
           QueueFull: `max_pending` requests are in the engine already.
@@ -262,9 +263,10 @@ class AsyncEngine:
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
             _, rid, prompt, params, arrival, lora = cmd
+            add = (self.engine.add_beam_request if isinstance(params, BeamSearchParams)
+                   else self.engine.add_request)  # a beam search: scheduled like the rest
             try:
-                self.engine.add_request(rid, prompt, params, arrival_time=arrival,
-                                        lora_request=lora)
+                add(rid, prompt, params, arrival_time=arrival, lora_request=lora)
             except Exception as e:  # noqa: BLE001 - the caller gets the engine's own error
                 self._deliver(rid, e)
         elif cmd[0] == "call":

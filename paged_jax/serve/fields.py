@@ -38,7 +38,13 @@ COMMON = {"model", "stream", "stream_options", "user", "max_tokens", "logit_bias
 # Fields vllm-router (serve/cluster.py) adds to every /v1/completions body it forwards, at
 # values that ask for nothing: served as absent. Any other value is refused as unsupported.
 ROUTER_NO_OPS = {"no_stop_trim": False, "return_hidden_states": False}
-COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix",
+                               "use_beam_search", "length_penalty"}
+# vLLM's beam search on /v1/completions (`use_beam_search`): the fields it reads; any other
+# (stream, stop, logprobs, sampling knobs) is refused by name, not ignored.
+BEAM_FIELDS = {"model", "user", "prompt", "n", "best_of", "max_tokens", "temperature",
+               "ignore_eos", "length_penalty", "logit_bias", "allowed_token_ids", "bad_words",
+               "use_beam_search"}
 CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 
 
@@ -84,7 +90,8 @@ TYPES: dict[str, Kind] = {
     "messages": ("a non-empty list of messages", lambda v: isinstance(v, list) and bool(v)),
     "prompt": ("a string, a list of token ids, or a list of either", lambda v: True),
 }
-COMPLETION_TYPES = {**TYPES, "logprobs": INT}  # completions: how many top logprobs
+COMPLETION_TYPES = {**TYPES, "logprobs": INT,  # completions: how many top logprobs
+                    "use_beam_search": BOOL, "length_penalty": NUMBER}
 CHAT_TYPES = {**TYPES, "logprobs": BOOL}  # chat: whether; top_logprobs says how many
 
 

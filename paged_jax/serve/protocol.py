@@ -11,7 +11,7 @@ import time
 import uuid
 
 from paged_jax.outputs import CompletionOutput, RequestOutput
-from paged_jax.sampling_params import SamplingParams, StructuredOutputsParams
+from paged_jax.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from paged_jax.serve import fields, messages
 from paged_jax.serve.fields import GUIDED, STRUCTURED
 
@@ -104,9 +104,12 @@ def response_format(value: dict) -> dict:
     return {"json": spec["schema"]}
 
 
-def completion_request(body: dict) -> tuple[list, SamplingParams]:
-    """(prompts, params) of a /v1/completions body; a prompt is text or token ids."""
+def completion_request(body: dict) -> tuple[list, SamplingParams | BeamSearchParams]:
+    """(prompts, params) of a /v1/completions body; a prompt is text or token ids. With
+    vLLM's `use_beam_search`, the params are a beam search's (n beams)."""
     fields.check_body(body, fields.COMPLETION_FIELDS, fields.COMPLETION_TYPES)
+    if body.get("use_beam_search"):
+        return _prompts(body.get("prompt")), beam_params(body)
     if body.get("echo"):
         raise BadRequest("echo is not supported", "echo")
     if body.get("suffix"):
@@ -115,6 +118,28 @@ def completion_request(body: dict) -> tuple[list, SamplingParams]:
         raise BadRequest("best_of must equal n (beam-style best_of is not supported)",
                          "best_of")
     return _prompts(body.get("prompt")), sampling_params(body, body.get("logprobs"))
+
+
+def beam_params(body: dict) -> BeamSearchParams:
+    """BeamSearchParams of a `use_beam_search` body: n beams (best_of, if given, must equal
+    n), max_tokens (16 by default), temperature 0 (its default here), ignore_eos,
+    length_penalty and the logit bias fields; any other field is refused by name."""
+    other = sorted(k for k in body if k not in fields.BEAM_FIELDS and body[k] is not None)
+    if other:
+        raise BadRequest(f"{other[0]} is not supported with use_beam_search", other[0])
+    given = lambda k, default: default if body.get(k) is None else body[k]  # noqa: E731
+    if body.get("best_of") not in (None, given("n", 1)):
+        raise BadRequest("best_of must equal n (the beams returned)", "best_of")
+    kw = {k: body[k] for k in ("ignore_eos", "length_penalty", "allowed_token_ids",
+                               "bad_words", "temperature") if body.get(k) is not None}
+    if body.get("logit_bias"):
+        kw["logit_bias"] = fields.logit_bias(body["logit_bias"])
+    try:
+        return BeamSearchParams(beam_width=given("n", 1), max_tokens=given("max_tokens", 16),
+                                **kw)
+    except (TypeError, ValueError) as e:
+        name = {"beam_width": "n"}.get(str(e).split(" ", 1)[0], str(e).split(" ", 1)[0])
+        raise BadRequest(str(e), name if name in body else None) from None
 
 
 def _prompts(prompt: object) -> list:
