@@ -11,7 +11,8 @@ Sides (each where installed; `make peers` builds vLLM's and llama.cpp's venvs):
   ours-xla    the same with matmul_backend="xla" (XLA's dot instead of the C++ kernel)
   ours-bf16   paged-jax with bfloat16 weights (the float32 weights rounded: bfloat16 panels
               in the C++ kernel, float32 activations, bfloat16 K/V)
-  ours-int8   paged-jax, quantization="int8" (weight-only; a 4-bit GGUF tensor keeps its codes)
+  ours-int8   paged-jax, quantization="int8" (W8A8 on CPU; a 4-bit GGUF tensor keeps its
+              codes, weight-only)
   ours-int4   paged-jax, quantization="int4" (W4A8)
   hf          transformers `generate()`, float32 and bfloat16, one static batch per run
   vllm        vLLM's CPU build (offline `LLM.generate`), float32 and bfloat16
@@ -60,6 +61,7 @@ LIMITS = dict(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=512, bl
 ROWS = {"batch 1": (1, 64, False), "batch 16": (16, 64, False), "batch 64": (64, 64, False),
         "prefix": (16, 64, True)}
 EXTRA_ROWS = {"batch 8": (8, 32, False)}  # `make run`'s short comparison
+QUANTIZED = ("int8", "int4")  # our integer sides' weight types (their limits: their codes')
 WARMUP_TOKENS = 4  # a peer's warm-up run: loads, allocates, fills its prefix cache
 QUICK_ROWS = {"batch 1": (1, 8, False), "batch 16": (4, 8, False), "prefix": (4, 8, True)}
 
@@ -240,7 +242,8 @@ def limits(parts, rows: dict, work: dict, dtype: str = "float32") -> dict:
     """Each row's machine limit in tok/s for `dtype` weights: the bandwidth roofline for
     batch 1, else the model's matmul chain at the row's batch, on the faster of XLA's dot and
     the C++ kernel (where it runs `dtype`). `parts` holds the float32 model; other precisions
-    are cast from it (the values do not change a matmul's time)."""
+    are cast from it (the values do not change a matmul's time), or for "int8" / "int4"
+    packed as those codes (the roofline then counts the codes' bytes, scales included)."""
     from paged_jax.study.metrics import (
         kv_bytes_per_token,
         measure_bandwidth,
@@ -249,13 +252,17 @@ def limits(parts, rows: dict, work: dict, dtype: str = "float32") -> dict:
 
     config, params = parts[0], parts[1]
     bw = measure_bandwidth()
-    item = np.dtype(dtype).itemsize / params["embed"].dtype.itemsize
+    quant = dtype in QUANTIZED  # int8 / int4 codes: float32 compute and pages
+    item = 1.0 if quant else np.dtype(dtype).itemsize / params["embed"].dtype.itemsize
     batches = sorted({n for n, *_ in rows.values() if n > 1})
     steps: dict[int, dict] = {n: {} for n in batches}  # batch 16 and its prefix row share one
     for kind, form in runtime_forms(params, dtype):
         for n in batches:
             steps[n][kind] = chain_seconds(form, n)
+        if quant:  # the codes' own bytes (scales and mins included) over the float weights'
+            item = streamed_weight_bytes(form) / streamed_weight_bytes(params)
         del form
+    dtype = "float32" if quant else dtype
     out = {}
     for r, (n, _, _) in rows.items():
         if n == 1:
@@ -271,31 +278,33 @@ def limits(parts, rows: dict, work: dict, dtype: str = "float32") -> dict:
     return out
 
 
-def runtime_forms(params, dtype: str):
-    """Yield ("xla", runtime form) then, where the C++ kernel runs `dtype`, ("cpu", its packed
-    panels), both in `dtype`: the panels are packed from XLA's form a layer at a time, each
-    float layer let go once packed, so one form is held beside `params` (all three float32
-    copies of the 1.5B at once peaked at 20 GB of 24, and the bfloat16 model loaded beside
-    them ran out)."""
+def runtime_forms(params, weights: str):
+    """Yield ("xla", runtime form) then, where the C++ kernel runs `weights`, ("cpu", its
+    packed panels), both in `weights` ("int8" / "int4": the packed codes only, XLA's dot runs
+    no codes): the panels are packed from XLA's form a layer at a time, each float layer let
+    go once packed, so one form is held beside `params` (all three float32 copies of the 1.5B
+    at once peaked at 20 GB of 24, and the bfloat16 model loaded beside them ran out)."""
     import jax
     import jax.numpy as jnp
 
     from paged_jax.engine.runner import matmul_backend
     from paged_jax.models.llama import pack_params, prepare_params
 
+    dtype = "float32" if weights in QUANTIZED else weights
     cast = lambda t: jax.tree.map(lambda a: a.astype(dtype), t)  # noqa: E731
     stacked = params["layers"]
     one = lambda i: prepare_params({"layers": {k: v[i:i + 1] for k, v in stacked.items()}})  # noqa: E731
     form = {**cast({k: v for k, v in params.items() if k != "layers"}),  # a layer at a time
             "layers": [cast(one(i)["layers"][0]) for i in range(len(stacked["wq"]))]}
-    yield "xla", form
+    if weights not in QUANTIZED:
+        yield "xla", form
     if matmul_backend(None, jnp.dtype(dtype)) != "cpu":
         return
     layers, packed = form.pop("layers"), []
-    head = pack_params({**form, "layers": []}, dtype)
+    head = pack_params({**form, "layers": []}, weights)
     form.clear()
     while layers:
-        packed.append(pack_params({**head, "layers": [layers.pop(0)]}, dtype)["layers"][0])
+        packed.append(pack_params({**head, "layers": [layers.pop(0)]}, weights)["layers"][0])
     yield "cpu", {**head, "layers": packed}
 
 
@@ -348,8 +357,8 @@ def reference_side(runs: dict, caching: bool) -> str:
 
 def summarize(sides: list, rows: dict, m: dict, lims: dict) -> list[dict]:
     """One entry per row and side: median tok/s, spread, ratio to ours, agreement, and the
-    limit of the side's precision (`lims` by weight type: bfloat16 sides beside bfloat16's;
-    the integer sides beside float32's, named so)."""
+    limit of the side's precision (`lims` by weight type: bfloat16 sides beside bfloat16's,
+    our int8 / int4 sides beside their codes' own where measured, else float32's, named so)."""
     table = []
     for r, (n, tokens, caching) in rows.items():
         ours_name = reference_side(m["runs"][r], caching)
@@ -358,7 +367,9 @@ def summarize(sides: list, rows: dict, m: dict, lims: dict) -> list[dict]:
             if s.name not in m["runs"][r]:
                 continue
             tps = [n * tokens / x["seconds"] for x in m["runs"][r][s.name]]
-            precision = "bfloat16" if "bfloat16" in s.name and "bfloat16" in lims else "float32"
+            own = next((w for w in lims if s.name.startswith("paged-jax") and w in s.name), None)
+            precision = own or ("bfloat16" if "bfloat16" in s.name and "bfloat16" in lims
+                                else "float32")
             lim = lims[precision]
             entry = dict(row=r, side=s.name, batch=n, tokens=tokens, limit_precision=precision,
                          tok_s=statistics.median(tps), spread=common.spread(tps), runs=tps,
@@ -521,6 +532,9 @@ def main(argv: list[str] | None = None) -> dict:
     if ("ours-bf16" in a.sides or "vllm" in a.sides
             or ("hf" in a.sides and "bfloat16" in a.hf_dtypes)):  # bfloat16 sides' own limit
         lim["bfloat16"] = limits(parts, rows, work, "bfloat16")
+    for q in QUANTIZED:  # each of our integer sides beside its own codes' limit
+        if f"ours-{q}" in a.sides:
+            lim[q] = limits(parts, rows, work, q)
     gc.collect()
     sides = make_sides(a.sides, a.model, parts, any(c for *_, c in rows.values()),
                        tuple(a.hf_dtypes))

@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
         del llm  # one engine's weights and pages at a time
         work = {f"batch {b}": prompt_ids(tok, b) for b in a.batches}
         lim[dtype] = limits(parts, {f"batch {b}": (b, a.decode_steps, False)
-                                    for b in a.batches}, work)
+                                    for b in a.batches}, work, dtype)  # its own precision's
     payload = dict(model=a.model, batches=a.batches, decode_steps=a.decode_steps,
                    dtypes=a.dtypes, matmul_backend=backends, rows=rows, limits=lim)
     payload["json"] = str(common.save_json("step_profile", payload))

@@ -9,7 +9,7 @@ The instruction set is a switch, `PAGED_JAX_CPU_ISA` (or a wrapper's `isa=` argu
 
     ISA         -march        paths compiled (cpu_matmul.cc / cpu_matmul_quant.h)
     native      native        all this CPU has: AVX-512 panel pairs, AVX2 integer int4 rows,
-                              F16C halves (the default)
+                              AVX-512 VNNI int8 rows, F16C halves (the default)
     x86-64-v3   x86-64-v3     AVX2, FMA, F16C: the AVX2 paths, no AVX-512
     x86-64-v2   x86-64-v2     SSE4.2: the scalar paths (halves, rounding, bytes, int4 on floats)
 

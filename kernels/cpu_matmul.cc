@@ -258,6 +258,61 @@ void rows_integer(const Problem& pb, int64_t p, int64_t cols, int64_t m0, int64_
 #endif
 }
 
+// Rows [m0, m1) of x (quantized) against int8 panel p and, where the task holds it, p + 1, in
+// integers (AVX-512 VNNI machines only): 1 when it took p + 1 too, else 0.
+int64_t rows_int8(const Problem& pb, int64_t p, int64_t p1, int64_t cols, int64_t m0,
+                  int64_t m1) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const bool two = p + 1 < p1;
+  const int64_t q = two ? p + 1 : p, cols_b = two ? std::min(kNR, pb.N - q * kNR) : 0;
+  const int8_t* qa = static_cast<const int8_t*>(pb.panels) + p * pb.K * kNR;
+  const int8_t* qb = static_cast<const int8_t*>(pb.panels) + q * pb.K * kNR;
+  const uint16_t* sa = static_cast<const uint16_t*>(pb.scales) + p * (pb.K / kGX) * kNR;
+  const uint16_t* sb = static_cast<const uint16_t*>(pb.scales) + q * (pb.K / kGX) * kNR;
+  for (int64_t m = m0; m < m1; m += 6) {
+    float* y = pb.y + m * pb.N + p * kNR;
+    switch (std::min<int64_t>(6, m1 - m)) {
+      case 1: micro_rows_int8<1>(*pb.xq, m, pb.K, qa, qb, sa, sb, y, pb.N, cols, cols_b); break;
+      case 2: micro_rows_int8<2>(*pb.xq, m, pb.K, qa, qb, sa, sb, y, pb.N, cols, cols_b); break;
+      case 3: micro_rows_int8<3>(*pb.xq, m, pb.K, qa, qb, sa, sb, y, pb.N, cols, cols_b); break;
+      case 4: micro_rows_int8<4>(*pb.xq, m, pb.K, qa, qb, sa, sb, y, pb.N, cols, cols_b); break;
+      case 5: micro_rows_int8<5>(*pb.xq, m, pb.K, qa, qb, sa, sb, y, pb.N, cols, cols_b); break;
+      default: micro_rows_int8<6>(*pb.xq, m, pb.K, qa, qb, sa, sb, y, pb.N, cols, cols_b);
+    }
+  }
+  return two ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// Rows [m0, m1) of x (quantized) against int4 panel p and, where the task holds it, p + 1,
+// on 512-bit vpdpbusd (AVX-512 VNNI machines only): 1 when it took p + 1 too, else 0.
+int64_t rows_int4_512(const Problem& pb, int64_t p, int64_t p1, int64_t cols, int64_t m0,
+                      int64_t m1) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const bool two = p + 1 < p1;
+  const int64_t q = two ? p + 1 : p, cols_b = two ? std::min(kNR, pb.N - q * kNR) : 0;
+  const uint8_t* qa = static_cast<const uint8_t*>(pb.panels) + p * pb.K * 8;
+  const uint8_t* qb = static_cast<const uint8_t*>(pb.panels) + q * pb.K * 8;
+  const Int4Params pa = pb.int4(p), pq = pb.int4(q);
+  for (int64_t m = m0; m < m1; m += 6) {
+    float* y = pb.y + m * pb.N + p * kNR;
+    switch (std::min<int64_t>(6, m1 - m)) {
+      case 1: micro_rows_int4_512<1>(*pb.xq, m, pb.K, qa, qb, pa, pq, y, pb.N, cols, cols_b); break;
+      case 2: micro_rows_int4_512<2>(*pb.xq, m, pb.K, qa, qb, pa, pq, y, pb.N, cols, cols_b); break;
+      case 3: micro_rows_int4_512<3>(*pb.xq, m, pb.K, qa, qb, pa, pq, y, pb.N, cols, cols_b); break;
+      case 4: micro_rows_int4_512<4>(*pb.xq, m, pb.K, qa, qb, pa, pq, y, pb.N, cols, cols_b); break;
+      case 5: micro_rows_int4_512<5>(*pb.xq, m, pb.K, qa, qb, pa, pq, y, pb.N, cols, cols_b); break;
+      default: micro_rows_int4_512<6>(*pb.xq, m, pb.K, qa, qb, pa, pq, y, pb.N, cols, cols_b);
+    }
+  }
+  return two ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
 // Row 0 of x (float) against int8 / int4 panel p, the codes widened in registers.
 void row_float(const Problem& pb, int64_t p, int64_t cols) {
   if (pb.mins == nullptr)
@@ -276,7 +331,15 @@ void run_task(const Problem& pb, int64_t t, std::vector<float>& buf, std::vector
   const int64_t m1 = std::min(pb.M, m0 + kMC), p1 = std::min(pb.P, p0 + pb.panels_per_task);
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t cols = std::min(kNR, pb.N - p * kNR);
-    if (pb.xq != nullptr && kIntegerRow) {  // int4 W4A8: integer dot products on x's codes
+    if (pb.xq != nullptr && pb.mins == nullptr && kInt8Rows) {  // int8 W8A8, two panels
+      p += rows_int8(pb, p, p1, cols, m0, m1);
+      continue;
+    }
+    if (pb.xq != nullptr && pb.mins != nullptr && kInt8Rows) {  // int4 W4A8, 512-bit
+      p += rows_int4_512(pb, p, p1, cols, m0, m1);
+      continue;
+    }
+    if (pb.xq != nullptr && pb.mins != nullptr && kIntegerRow) {  // int4 W4A8: integers
       rows_integer(pb, p, cols, m0, m1);
       continue;
     }
@@ -347,10 +410,12 @@ void run(ffi::ThreadPool& pool, Problem pb) {
       shared->xb.resize((pb.M + 2 * kAmxRows - 1) / (2 * kAmxRows) * 2 * kAmxRows * pb.K / 2, 0);
     if (pb.amx || (kBf16Dot && pb.M > 1)) pb.xb = shared->xb.data();
   } else if (pb.quantize_x && pb.K % kGX == 0) {  // every path multiplies x quantized
-    // The integer path reads the codes; only the float fallback needs them dequantized.
-    shared->xq.set(pb.x, pb.M, pb.K, !kIntegerRow);
+    // The integer paths read the codes; only the float fallbacks need them dequantized.
+    const bool integer = pb.mins != nullptr ? kIntegerRow : kInt8Rows && pb.group == kGX;
+    shared->xq.set(pb.x, pb.M, pb.K, !integer);
     pb.xq = &shared->xq;
-    if (!kIntegerRow) pb.x = shared->xq.dequant.data();
+    if (!integer) pb.x = shared->xq.dequant.data();
+    if (!integer && pb.mins == nullptr) pb.xq = nullptr;  // int8: the float paths on x's values
   } else if (pb.mins != nullptr && pb.M == 1) {
     shared->xsum.assign(pb.K / kGX, 0.f);
     for (int64_t k = 0; k < pb.K; ++k) shared->xsum[k / kGX] += pb.x[k];
@@ -408,7 +473,7 @@ ffi::Error packed_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 ffi::Error packed_matmul_int8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                               ffi::Buffer<ffi::S8> panels, ffi::Buffer<ffi::F16> scales,
-                              ffi::ResultBuffer<ffi::F32> y) {
+                              ffi::ResultBuffer<ffi::F32> y, int32_t quantize_x) {
   Problem pb;
   if (!problem(x, panels.typed_data(), panels.dimensions(), y, pb))
     return ffi::Error::InvalidArgument(kShapes);
@@ -416,6 +481,7 @@ ffi::Error packed_matmul_int8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument(
         "packed int8 matmul: scales must be [P, K / G, 16], G a multiple of 4");
   pb.scales = scales.untyped_data();
+  pb.quantize_x = quantize_x != 0 && pb.group == kGX;  // W8A8: x's int8 codes per 32 k
   run(pool, pb);
   return ffi::Error::Success();
 }
@@ -506,6 +572,9 @@ extern "C" uint32_t PagedJaxIsaPaths() {
 #ifdef __FMA__
   paths |= 16;  // fused multiply-adds
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  paths |= 128;  // int8 W8A8 rows: 512-bit vpdpbusd
+#endif
 #ifdef __AVX512BF16__
   paths |= 32;  // vdpbf16ps bfloat16 dot products
 #endif
@@ -559,7 +628,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulInt8, packed_matmul_int8,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
                                   .Arg<ffi::Buffer<ffi::S8>>()    // panels [P, K, 16] int8
                                   .Arg<ffi::Buffer<ffi::F16>>()   // scales [P, K / G, 16]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
+                                  .Attr<int32_t>("quantize_x"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulInt4, packed_matmul_int4,
                               ffi::Ffi::Bind()

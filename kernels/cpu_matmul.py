@@ -17,20 +17,25 @@ took 27.3 against 15.1).
     matmul     x [..., K] @ w.T -> [..., N], float32
     rows       w[ids] read back from the panels (a tied embedding's lookup)
 
-Int8 (`pack(w, "int8")`, weight-only, W8A16): symmetric, round to nearest, a float16 scale
-per output column and group of G = 32 consecutive inputs (G = K when 32 does not divide K):
-max |w| of the group / 127; 32 as int4, so that a group never straddles two devices' shards
-under tensor parallelism when K / N is a multiple of 32 (parallel.pack_shards). A weight
-whose every group already lies on a 4-bit grid (a GGUF Q4 tensor, dequantized at load) keeps
-that grid instead, as int4 codes with a float16 scale and min per group: moving each weight to
-a symmetric 8-bit grid would only add error (kernels/weight_codes.py). The activations stay
-float32.
+Int8 (`pack(w, "int8")`, W8A8): symmetric, round to nearest, a float16 scale per output
+column and group of G = 32 consecutive inputs (G = K when 32 does not divide K): max |w| of
+the group / 127; 32 as int4, so that a group never straddles two devices' shards under tensor
+parallelism when K / N is a multiple of 32 (parallel.pack_shards). The kernel quantizes x per
+row and 32 inputs as for int4 (below) and, on CPUs with AVX-512 VNNI, multiplies the codes
+in integers (512-bit vpdpbusd, two panels and up to six rows per block of codes; `python -m
+kernels.cpu_matmul` times it beside the other panels); elsewhere the float paths multiply x's
+quantized values. With G = K, x stays as it is (weight-only). A
+weight whose every group already lies on a 4-bit grid (a GGUF Q4 tensor, dequantized at
+load) keeps that grid instead, as int4 codes with a float16 scale and min per group, weight-
+only (W4A16): moving each weight to a symmetric 8-bit grid would only add error
+(kernels/weight_codes.py).
 Int4 (`pack(w, "int4")`, W4A8): asymmetric 4-bit codes per 32 inputs on each group's best
 4-bit grid (a GGUF Q4 block's own, where it came from one), the group's scale and min coded in
 8 bits against float16 units per column and up to 8 groups (4.6 bits a weight in all, as
 GGUF's Q4_K). Against int4 weights the kernel quantizes x per row and 32 inputs to int8
-(`quantized_rows`, as llama.cpp quantizes activations to Q8): one row (batch-1 decode) then
-runs integer dot products on the codes, several rows the float micro-kernel on decoded panels.
+(`quantized_rows`, as llama.cpp quantizes activations to Q8) and multiplies the codes in
+integers: on AVX-512 VNNI two panels and up to six rows at a time in 512-bit vpdpbusd, on AVX2
+one panel in 256-bit (AVX-VNNI or vpmaddubsw).
 
 The library is built for the ISA that `$PAGED_JAX_CPU_ISA` names (kernels/cpp_build.py: native,
 or the portable x86-64-v3 / x86-64-v2 whose AVX2 / scalar paths the tests also run);
@@ -125,7 +130,7 @@ def pack(w, weights: str = "float32", device=None, keep_grid: bool = True,
     q, scales = weight_codes.int8_groups(panels.reshape(p, k // g, g, NR))  # [P, K / G, 16]
     q = q.reshape(p, k // 4, 4, NR)
     q = np.ascontiguousarray(q.transpose(0, 1, 3, 2)).reshape(p, k, NR)  # blocks of 4 k
-    return Packed(put(q), n, put(scales))
+    return Packed(put(q), n, put(scales), quantize_x=g == GROUP)
 
 
 def _bf16_pairs(panels: np.ndarray) -> np.ndarray:
@@ -292,6 +297,7 @@ def _load(folder: str, isa: str) -> bool:
 
 PATH_BF16_DOT = 32  # PagedJaxIsaPaths' bit: AVX-512 BF16 dot products compiled in
 PATH_AMX_BF16 = 64  # PagedJaxIsaPaths' bit: AMX bfloat16 tiles compiled in
+PATH_INT8_ROWS = 128  # PagedJaxIsaPaths' bit: int8 W8A8 rows on 512-bit vpdpbusd compiled in
 
 
 def isa_paths(folder: str, isa: str | None = None) -> int:
@@ -319,8 +325,8 @@ def matmul(x: jax.Array, w: Packed, isa: str | None = None) -> jax.Array:
         out = call(TARGET_BF16)(x2, w.panels)
     elif w.scales is None:
         out = call(TARGET)(x2, w.panels)
-    elif w.mins is None:  # weight-only: x as it is
-        out = call(TARGET_INT8)(x2, w.panels, w.scales)
+    elif w.mins is None:  # int8: W8A8 (x's codes per 32 inputs) or, K not a multiple of 32, x
+        out = call(TARGET_INT8)(x2, w.panels, w.scales, quantize_x=np.int32(w.quantize_x))
     else:
         target, ops = ((TARGET_INT4, (w.mins,)) if w.supers is None
                        else (TARGET_INT4_CODED, (w.mins, w.supers)))

@@ -277,3 +277,120 @@ void micro_rows_int4(const QuantRows& x, int64_t m, int64_t K, const uint8_t* q,
 #else
 constexpr bool kIntegerRow = false;  // int4 runs the float path on x dequantized
 #endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kInt8Rows = true;
+
+// R <= 6 quantized rows of x (from row m) against int8 panels a and b (W8A8; b may be a again,
+// its columns then unused: cols_b = 0; cols_a < 16 for a last panel alone), 32 k (one group of x and of the weights) at a time.
+// A 4 k block of a panel is one 64-byte load: 16 columns x 4 k, the operand of vpdpbusd
+// (unsigned x signed bytes, 16 int32 sums of 4 products). The weights' codes are made unsigned
+// by flipping their top bit (q + 128), so that x's signed codes multiply them, and 128 times
+// the row's group sum of codes (QuantRows::sum) is taken back: exact integers per group, then
+// the group's scales in float. A row's sums never depend on R or on the other panel.
+template <int R>
+void micro_rows_int8(const QuantRows& x, int64_t m, int64_t K, const int8_t* qa,
+                     const int8_t* qb, const uint16_t* sa, const uint16_t* sb, float* y,
+                     int64_t ldy, int64_t cols_a, int64_t cols_b) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int8_t* xq = x.q.data() + m * K;
+  const int64_t groups = K / kGX, gs = m * groups;
+  __m512 fa[R], fb[R];
+  for (int r = 0; r < R; ++r) fa[r] = fb[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i ca[R], cb[R];
+    for (int r = 0; r < R; ++r) ca[r] = cb[r] = _mm512_setzero_si512();
+    for (int64_t b = g * kGX; b < (g + 1) * kGX; b += 4) {
+      const __m512i wa = _mm512_xor_si512(_mm512_loadu_si512(qa + b * kNR), flip);
+      const __m512i wb = _mm512_xor_si512(_mm512_loadu_si512(qb + b * kNR), flip);
+      for (int r = 0; r < R; ++r) {
+        int32_t xr;
+        std::memcpy(&xr, xq + r * K + b, 4);
+        const __m512i xv = _mm512_set1_epi32(xr);
+        ca[r] = _mm512_dpbusd_epi32(ca[r], wa, xv);
+        cb[r] = _mm512_dpbusd_epi32(cb[r], wb, xv);
+      }
+    }
+    const __m512 swa = _mm512_cvtph_ps(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(sa + g * kNR)));
+    const __m512 swb = _mm512_cvtph_ps(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(sb + g * kNR)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = gs + r * groups + g;
+      const __m512i back = _mm512_set1_epi32(128 * x.sum[i]);
+      const __m512 s = _mm512_set1_ps(x.scale[i]);
+      fa[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ca[r], back)),
+                              _mm512_mul_ps(swa, s), fa[r]);
+      fb[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(cb[r], back)),
+                              _mm512_mul_ps(swb, s), fb[r]);
+    }
+  }
+  float tile[kNR];
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(tile, fa[r]);
+    std::memcpy(y + r * ldy, tile, cols_a * sizeof(float));
+    _mm512_storeu_ps(tile, fb[r]);
+    std::memcpy(y + r * ldy + kNR, tile, cols_b * sizeof(float));
+  }
+}
+
+// Two v8 halves (columns 0..7, 8..15) as one 16-float vector.
+inline __m512 join16(v8 lo, v8 hi) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512((__m256)lo), (__m256)hi, 1);
+}
+
+// micro_rows_int4's 512-bit form, R <= 6 rows against int4 panels a and b (b may be a again:
+// cols_b = 0): a 64-byte block of a panel is 16 columns x 8 k, its low nibbles k 0..3 and its
+// high nibbles k 4..7 of each column, each an unsigned operand of vpdpbusd as it is.
+template <int R>
+void micro_rows_int4_512(const QuantRows& x, int64_t m, int64_t K, const uint8_t* qa,
+                         const uint8_t* qb, const Int4Params& pa, const Int4Params& pbp,
+                         float* y, int64_t ldy, int64_t cols_a, int64_t cols_b) {
+  const __m512i nib = _mm512_set1_epi8(15);
+  const int8_t* xq = x.q.data() + m * K;
+  const int64_t groups = K / kGX, gs = m * groups;
+  __m512 fa[R], fb[R];
+  for (int r = 0; r < R; ++r) fa[r] = fb[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i ca[R], cb[R];
+    for (int r = 0; r < R; ++r) ca[r] = cb[r] = _mm512_setzero_si512();
+    for (int64_t b = g * kGX; b < (g + 1) * kGX; b += 8) {
+      const __m512i wa = _mm512_loadu_si512(qa + b * 8), wb = _mm512_loadu_si512(qb + b * 8);
+      const __m512i la = _mm512_and_si512(wa, nib), lb = _mm512_and_si512(wb, nib);
+      const __m512i ha = _mm512_and_si512(_mm512_srli_epi16(wa, 4), nib);
+      const __m512i hb = _mm512_and_si512(_mm512_srli_epi16(wb, 4), nib);
+      for (int r = 0; r < R; ++r) {
+        int32_t xl, xh;
+        std::memcpy(&xl, xq + r * K + b, 4);
+        std::memcpy(&xh, xq + r * K + b + 4, 4);
+        const __m512i lo = _mm512_set1_epi32(xl), hi = _mm512_set1_epi32(xh);
+        ca[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ca[r], la, lo), ha, hi);
+        cb[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(cb[r], lb, lo), hb, hi);
+      }
+    }
+    v8 s2[2], m2[2];
+    pa.group(g, s2, m2);
+    const __m512 swa = join16(s2[0], s2[1]), mwa = join16(m2[0], m2[1]);
+    pbp.group(g, s2, m2);
+    const __m512 swb = join16(s2[0], s2[1]), mwb = join16(m2[0], m2[1]);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = gs + r * groups + g;
+      const __m512 s = _mm512_set1_ps(x.scale[i]);
+      const __m512 ms = _mm512_set1_ps(x.scale[i] * float(x.sum[i]));
+      fa[r] = _mm512_fmadd_ps(mwa, ms, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ca[r]),
+                                                      _mm512_mul_ps(swa, s), fa[r]));
+      fb[r] = _mm512_fmadd_ps(mwb, ms, _mm512_fmadd_ps(_mm512_cvtepi32_ps(cb[r]),
+                                                      _mm512_mul_ps(swb, s), fb[r]));
+    }
+  }
+  float tile[kNR];
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(tile, fa[r]);
+    std::memcpy(y + r * ldy, tile, cols_a * sizeof(float));
+    _mm512_storeu_ps(tile, fb[r]);
+    std::memcpy(y + r * ldy + kNR, tile, cols_b * sizeof(float));
+  }
+}
+#else
+constexpr bool kInt8Rows = false;  // W8A8 runs the float paths on x dequantized
+#endif

@@ -26,7 +26,7 @@ from tests.attention_helpers import naive
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 PATH_BITS = {"avx512f": 1, "avx2": 2, "f16c": 4, "avx_vnni": 8, "fma": 16,
-             "avx512_bf16": 32, "amx_bf16": 64}  # PagedJaxIsaPaths' bits
+             "avx512_bf16": 32, "amx_bf16": 64, "avx512_vnni": 128}  # PagedJaxIsaPaths' bits
 WEIGHTS = ("float32", "bfloat16", "int8", "int4", "int4-grid")  # int4-grid: W4A16
 
 

@@ -104,18 +104,22 @@ def test_matmul_backend_is_chosen_and_checked():
 @pytest.mark.parametrize("m, k, n", [(1, 128, 40), (16, 576, 960), (97, 24, 130), (1, 24, 17)])
 @pytest.mark.parametrize("isa", ISAS)
 def test_int8_matmul_is_exact_on_its_dequantized_weights(m, k, n, isa):
-    """Weight-only int8: the kernel computes x @ (q * scale).T with x as it is, one row or
-    many: against float64 as close as float32 allows; K = 24 has one group per column (32
-    does not divide it)."""
+    """Int8: the kernel computes xq @ (q * scale).T, xq being x's int8 codes per 32 inputs
+    (W8A8: integer dot products where the CPU has AVX-512 VNNI, the float paths on xq
+    elsewhere), one row or many: against float64 as close as float32 allows. K = 24 has one
+    group per column (32 does not divide it): weight-only, x as it is."""
     rng = np.random.default_rng(m + k + n)
     x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((n, k), np.float32)
     p = cpu_matmul.pack(w, "int8")
     assert p.panels.dtype == jnp.int8 and p.scales.shape[1] == (k // 32 if k % 32 == 0 else 1)
-    assert not p.quantize_x
+    assert p.quantize_x == (k % 32 == 0)
     deq = np.asarray(cpu_matmul.unpack(p), np.float64)
+    xs = cpu_matmul.quantized_rows(x) if p.quantize_x else x
     got = np.asarray(matmul_on(isa)(jnp.asarray(x), p))
-    np.testing.assert_allclose(got, x.astype(np.float64) @ deq.T, rtol=1e-5,
+    np.testing.assert_allclose(got, xs.astype(np.float64) @ deq.T, rtol=1e-5,
                                atol=1e-5 * np.sqrt(k))
+    if p.quantize_x:  # x's codes, not x: a weight-only product is further off than that
+        assert np.abs(got - x.astype(np.float64) @ deq.T).max() > 1e-3
 
 
 def test_int8_keeps_a_four_bit_source_grid():

@@ -45,17 +45,22 @@ def test_int4_matmul_is_exact_on_its_codes(m, k, n, isa):
     np.testing.assert_array_equal(np.asarray(cpu_matmul.rows(p, jnp.asarray(ids))), deq[ids])
 
 
+@pytest.mark.parametrize("weights", ["int4", "int8"])
 @pytest.mark.parametrize("isa", ISAS)
-def test_int4_single_rows_equal_the_batch(isa):
+def test_quantized_single_rows_equal_the_batch(isa, weights):
     """Every row runs the integer path on the same codes whether it comes alone or among
     others (groups of 4 rows, and a remainder of 1): equal up to float rounding (-ffast-math
-    may contract the per-group sums differently in each group size)."""
+    may contract the per-group sums differently in each group size), and bit for bit on the
+    512-bit VNNI paths (one set of vector instructions for every row count)."""
     rng = np.random.default_rng(7)
     x, w = rng.standard_normal((9, 576), np.float32), rng.standard_normal((200, 576), np.float32)
-    p, f = cpu_matmul.pack(w, "int4"), matmul_on(isa)
+    p, f = cpu_matmul.pack(w, weights), matmul_on(isa)
     batched = np.asarray(f(jnp.asarray(x), p))
     single = np.concatenate([np.asarray(f(jnp.asarray(x[i:i + 1]), p)) for i in range(9)])
     np.testing.assert_allclose(single, batched, rtol=1e-5, atol=1e-4)
+    paths = cpu_matmul.isa_paths(str(compile_cache.kernel_folder()), isa)
+    if paths & cpu_matmul.PATH_INT8_ROWS:
+        np.testing.assert_array_equal(single, batched)
 
 
 @settings(max_examples=25, deadline=None)

@@ -145,14 +145,19 @@ def test_sliding_window_kv():
 
 
 def test_bench_puts_every_side_on_the_same_rows():
-    data = json.loads(open(bench.main(["--quick", "--sides", "ours", "hf", "--rounds", "2"])[
-        "json"]).read())  # a table, no plot
+    data = json.loads(open(bench.main(["--quick", "--sides", "ours", "ours-int4", "hf",
+                                       "--rounds", "2"])["json"]).read())  # a table, no plot
     sides = {(e["row"], e["side"]) for e in data["rows"]}
     assert ("batch 16", "HF generate() bfloat16") in sides and ("prefix",
                                                                  "paged-jax float32") not in sides
     for e in data["rows"]:
         assert len(e["runs"]) == 2 and e["tok_s"] > 0 and e["limit_tok_s"] > 0
         assert e["agree_first16_with_ours"] >= 0
+        # each of our sides beside its own precision's limit: int4's codes, not float32's
+        want = {"paged-jax float32": "float32", "paged-jax int4": "int4"}.get(e["side"])
+        assert want is None or e["limit_precision"] == want
+    one = {w: lim["batch 1"]["bytes_per_token"] for w, lim in data["limits_by_precision"].items()}
+    assert one["int4"] < one["float32"] / 4
     assert data["provenance"]["cpu"] and data["provenance"]["versions"]["jax"]
 
 
