@@ -228,10 +228,40 @@ def measure(sides: list, rows: dict, tok, rounds: int) -> dict:
         for r, (_n, tokens, caching) in rows.items():
             for s in (s for s in order if applies(s, caching)):
                 res = s.run(work[r], tokens)
+                res["mem_available_mib"] = mem_available_mib()  # after the run, every side loaded
                 runs[r][s.name].append(res)
                 firsts[r].setdefault(s.name, [t[:16] for t in res["tokens"]])
                 print(f"round {k} {r:8s} {s.name:28s} {res['seconds']:7.2f} s", flush=True)
     return dict(runs=runs, firsts=firsts, work=work)
+
+
+MEM_FLOOR_MIB = 1024  # below this, a peer's memory-mapped weights were seen read from disk again
+
+
+def mem_available_mib() -> int | None:
+    """The kernel's MemAvailable in MiB (None off Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(x.split()[1]) // 1024 for x in f if x.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def memory_check(m: dict) -> dict:
+    """The least memory left free after any run of the rounds, and whether it fell under
+    MEM_FLOOR_MIB: with every side of `make bench` loaded, a 24 GB machine kept 237 MiB and
+    llama.cpp's batch-1 speed halved (its weights, a mapped file, read from disk again), so
+    such a run's ratios say more about the machine than about the sides (a warning, and the
+    results file says so)."""
+    seen = [x["mem_available_mib"] for by in m["runs"].values() for rs in by.values()
+            for x in rs if x.get("mem_available_mib") is not None]
+    low = min(seen, default=None)
+    starved = low is not None and low < MEM_FLOOR_MIB
+    if starved:
+        print(f"WARNING: as little as {low} MiB of memory was left free during the rounds: "
+              "mapped weights may have been read from disk again; run fewer sides at once "
+              "(--sides) before trusting these ratios", flush=True)
+    return dict(min_available_mib=low, floor_mib=MEM_FLOOR_MIB, starved=starved)
 
 
 def _workload(tok, n: int, caching: bool) -> list[list[int]]:
@@ -553,7 +583,7 @@ def main(argv: list[str] | None = None) -> dict:
         batch=n, tokens=t, prefix_caching=c) for r, (n, t, c) in rows.items()},
         limits=LIMITS, greedy=True, ignore_eos=True, bf16_dot=dot),
         sides={s.name: s.settings for s in sides}, limits=lim["float32"], limits_by_precision=lim,
-        rows=table,
+        rows=table, memory=memory_check(m),
         default=default, versus=versus(table, default),
         targets=targets(a.model, table, default, dot))
     name = a.name or ("bench" + ("" if a.model == "smollm2" else f"_{a.model}")

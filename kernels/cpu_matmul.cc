@@ -258,6 +258,22 @@ void rows_integer(const Problem& pb, int64_t p, int64_t cols, int64_t m0, int64_
 #endif
 }
 
+// micro(rows, m) for each run of up to six rows of [m0, m1), `rows` the run's length as a
+// compile-time constant (a std::integral_constant).
+template <typename Micro>
+void by_six_rows(int64_t m0, int64_t m1, Micro micro) {
+  for (int64_t m = m0; m < m1; m += 6) {
+    switch (std::min<int64_t>(6, m1 - m)) {
+      case 1: micro(std::integral_constant<int, 1>{}, m); break;
+      case 2: micro(std::integral_constant<int, 2>{}, m); break;
+      case 3: micro(std::integral_constant<int, 3>{}, m); break;
+      case 4: micro(std::integral_constant<int, 4>{}, m); break;
+      case 5: micro(std::integral_constant<int, 5>{}, m); break;
+      default: micro(std::integral_constant<int, 6>{}, m);
+    }
+  }
+}
+
 // Rows [m0, m1) of x (quantized) against int8 panel p and, where the task holds it, p + 1, in
 // integers (AVX-512 VNNI machines only): 1 when it took p + 1 too, else 0.
 int64_t rows_int8(const Problem& pb, int64_t p, int64_t p1, int64_t cols, int64_t m0,
@@ -269,17 +285,11 @@ int64_t rows_int8(const Problem& pb, int64_t p, int64_t p1, int64_t cols, int64_
   const int8_t* qb = static_cast<const int8_t*>(pb.panels) + q * pb.K * kNR;
   const uint16_t* sa = static_cast<const uint16_t*>(pb.scales) + p * (pb.K / kGX) * kNR;
   const uint16_t* sb = static_cast<const uint16_t*>(pb.scales) + q * (pb.K / kGX) * kNR;
-  for (int64_t m = m0; m < m1; m += 6) {
+  by_six_rows(m0, m1, [&](auto rows, int64_t m) {
     float* y = pb.y + m * pb.N + p * kNR;
-    switch (std::min<int64_t>(6, m1 - m)) {
-      case 1: micro_rows_int8<1>(*pb.xq, m, pb.K, qa, qb, sa, sb, y, pb.N, cols, cols_b); break;
-      case 2: micro_rows_int8<2>(*pb.xq, m, pb.K, qa, qb, sa, sb, y, pb.N, cols, cols_b); break;
-      case 3: micro_rows_int8<3>(*pb.xq, m, pb.K, qa, qb, sa, sb, y, pb.N, cols, cols_b); break;
-      case 4: micro_rows_int8<4>(*pb.xq, m, pb.K, qa, qb, sa, sb, y, pb.N, cols, cols_b); break;
-      case 5: micro_rows_int8<5>(*pb.xq, m, pb.K, qa, qb, sa, sb, y, pb.N, cols, cols_b); break;
-      default: micro_rows_int8<6>(*pb.xq, m, pb.K, qa, qb, sa, sb, y, pb.N, cols, cols_b);
-    }
-  }
+    micro_rows_int8<decltype(rows)::value>(*pb.xq, m, pb.K, qa, qb, sa, sb, y, pb.N, cols,
+                                           cols_b);
+  });
   return two ? 1 : 0;
 #else
   return 0;
@@ -296,17 +306,11 @@ int64_t rows_int4_512(const Problem& pb, int64_t p, int64_t p1, int64_t cols, in
   const uint8_t* qa = static_cast<const uint8_t*>(pb.panels) + p * pb.K * 8;
   const uint8_t* qb = static_cast<const uint8_t*>(pb.panels) + q * pb.K * 8;
   const Int4Params pa = pb.int4(p), pq = pb.int4(q);
-  for (int64_t m = m0; m < m1; m += 6) {
+  by_six_rows(m0, m1, [&](auto rows, int64_t m) {
     float* y = pb.y + m * pb.N + p * kNR;
-    switch (std::min<int64_t>(6, m1 - m)) {
-      case 1: micro_rows_int4_512<1>(*pb.xq, m, pb.K, qa, qb, pa, pq, y, pb.N, cols, cols_b); break;
-      case 2: micro_rows_int4_512<2>(*pb.xq, m, pb.K, qa, qb, pa, pq, y, pb.N, cols, cols_b); break;
-      case 3: micro_rows_int4_512<3>(*pb.xq, m, pb.K, qa, qb, pa, pq, y, pb.N, cols, cols_b); break;
-      case 4: micro_rows_int4_512<4>(*pb.xq, m, pb.K, qa, qb, pa, pq, y, pb.N, cols, cols_b); break;
-      case 5: micro_rows_int4_512<5>(*pb.xq, m, pb.K, qa, qb, pa, pq, y, pb.N, cols, cols_b); break;
-      default: micro_rows_int4_512<6>(*pb.xq, m, pb.K, qa, qb, pa, pq, y, pb.N, cols, cols_b);
-    }
-  }
+    micro_rows_int4_512<decltype(rows)::value>(*pb.xq, m, pb.K, qa, qb, pa, pq, y, pb.N, cols,
+                                               cols_b);
+  });
   return two ? 1 : 0;
 #else
   return 0;

@@ -282,12 +282,13 @@ constexpr bool kIntegerRow = false;  // int4 runs the float path on x dequantize
 constexpr bool kInt8Rows = true;
 
 // R <= 6 quantized rows of x (from row m) against int8 panels a and b (W8A8; b may be a again,
-// its columns then unused: cols_b = 0; cols_a < 16 for a last panel alone), 32 k (one group of x and of the weights) at a time.
-// A 4 k block of a panel is one 64-byte load: 16 columns x 4 k, the operand of vpdpbusd
-// (unsigned x signed bytes, 16 int32 sums of 4 products). The weights' codes are made unsigned
-// by flipping their top bit (q + 128), so that x's signed codes multiply them, and 128 times
-// the row's group sum of codes (QuantRows::sum) is taken back: exact integers per group, then
-// the group's scales in float. A row's sums never depend on R or on the other panel.
+// its columns then unused: cols_b = 0; cols_a < 16 for a last panel alone), 32 k (one group
+// of x and of the weights) at a time. A 4 k block of a panel is one 64-byte load: 16 columns x
+// 4 k, the operand of vpdpbusd (unsigned x signed bytes, 16 int32 sums of 4 products). The
+// weights' codes are made unsigned by flipping their top bit (q + 128), so that x's signed
+// codes multiply them, and 128 times the row's group sum of codes (QuantRows::sum) is taken
+// back: exact integers per group, then the group's scales in float. A row's sums never depend
+// on R or on the other panel.
 template <int R>
 void micro_rows_int8(const QuantRows& x, int64_t m, int64_t K, const int8_t* qa,
                      const int8_t* qb, const uint16_t* sa, const uint16_t* sb, float* y,
@@ -334,9 +335,10 @@ void micro_rows_int8(const QuantRows& x, int64_t m, int64_t K, const int8_t* qa,
   }
 }
 
-// Two v8 halves (columns 0..7, 8..15) as one 16-float vector.
+// Two v8 halves (columns 0..7, 8..15) as one 16-float vector (AVX-512F's 256-bit insert:
+// the float32x8 one needs AVX-512DQ, which the guard above does not name).
 inline __m512 join16(v8 lo, v8 hi) {
-  return _mm512_insertf32x8(_mm512_castps256_ps512((__m256)lo), (__m256)hi, 1);
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512((__m256d)lo), (__m256d)hi, 1));
 }
 
 // micro_rows_int4's 512-bit form, R <= 6 rows against int4 panels a and b (b may be a again:

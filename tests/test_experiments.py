@@ -158,7 +158,21 @@ def test_bench_puts_every_side_on_the_same_rows():
         assert want is None or e["limit_precision"] == want
     one = {w: lim["batch 1"]["bytes_per_token"] for w, lim in data["limits_by_precision"].items()}
     assert one["int4"] < one["float32"] / 4
+    mem = data["memory"]  # the least memory left free after a run, against the floor
+    assert mem["min_available_mib"] > 0 and mem["starved"] == (mem["min_available_mib"] < 1024)
     assert data["provenance"]["cpu"] and data["provenance"]["versions"]["jax"]
+
+
+def test_bench_flags_a_run_that_left_the_machine_without_free_memory(capsys):
+    """memory_check reads the least MemAvailable after any run: under the floor (a peer's
+    mapped weights read from disk again) it warns and the results file says starved."""
+    runs = {"batch 1": {"a": [{"mem_available_mib": 5000}, {"mem_available_mib": 237}],
+                        "b": [{"mem_available_mib": None}]}}
+    got = bench.memory_check({"runs": runs})
+    assert got == dict(min_available_mib=237, floor_mib=1024, starved=True)
+    assert "237 MiB" in capsys.readouterr().out
+    runs["batch 1"]["a"][1]["mem_available_mib"] = 4000
+    assert not bench.memory_check({"runs": runs})["starved"]
 
 
 def test_async_scheduling_alternates_its_sides():
