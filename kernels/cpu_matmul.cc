@@ -363,12 +363,15 @@ void run_task(const Problem& pb, int64_t t, std::vector<float>& buf, std::vector
       micro_row_bf16(pb.x, pb.K, pb.bf16_panel(p), pb.y + p * kNR, cols);
       continue;
     }
-    if (pb.xb != nullptr && p + 1 < p1) {  // AVX-512 BF16 dot products, two panels
-      const int64_t cols_b = std::min(kNR, pb.N - (p + 1) * kNR);
+    if (pb.xb != nullptr) {  // AVX-512 BF16 dot products, two panels (a lone last one
+      // twice, its copy not stored: every panel on one path, whatever the batch)
+      const bool two = p + 1 < p1;
+      const int64_t cols_b = two ? std::min(kNR, pb.N - (p + 1) * kNR) : 0;
       for (int64_t m = m0; m < m1; m += kMR)
         rows_pair_bf16(std::min(kMR, m1 - m), pb.xb + m * (pb.K / 2), pb.K, pb.bf16_panel(p),
-                       pb.bf16_panel(p + 1), pb.y + m * pb.N + p * kNR, pb.N, cols_b);
-      ++p;
+                       pb.bf16_panel(two ? p + 1 : p), pb.y + m * pb.N + p * kNR, pb.N, cols,
+                       cols_b);
+      p += two;
       continue;
     }
     const float* panel = pb.panel(p, buf);
@@ -395,6 +398,9 @@ void run(ffi::ThreadPool& pool, Problem pb) {
   const int64_t row_tasks = (pb.M + kMC - 1) / kMC;
   const int64_t want = std::max<int64_t>(1, 4 * threads / row_tasks);
   pb.panels_per_task = (pb.P + want - 1) / want;
+  // Even runs: the paths that take panels two at a time would leave an odd run's last one
+  // to a slower single-panel path (P = 36, a 576-wide output: a fifth of its panels)
+  pb.panels_per_task += pb.panels_per_task % 2 * (pb.P > 1);
   pb.panel_tasks = (pb.P + pb.panels_per_task - 1) / pb.panels_per_task;
   const int64_t tasks = row_tasks * pb.panel_tasks;
   struct Shared {
@@ -408,8 +414,9 @@ void run(ffi::ThreadPool& pool, Problem pb) {
   auto shared = std::make_shared<Shared>();
   if (pb.bf16) {  // x rounded to bfloat16 once, on every path alike (batch-invariant sums)
     pb.amx = kAmxBuilt && pb.K % 32 == 0 && amx_granted();
-    round_rows_bf16(pb.x, pb.M, pb.K, shared->xb, shared->xr, !pb.amx);
-    pb.x = pb.amx ? nullptr : shared->xr.data();  // AMX reads x only as pairs
+    const bool pairs_only = pb.amx || (kBf16Dot && pb.M > 1);  // no float path reads x
+    round_rows_bf16(pb.x, pb.M, pb.K, shared->xb, shared->xr, !pairs_only);
+    pb.x = pairs_only ? nullptr : shared->xr.data();
     if (pb.amx)  // whole A tiles: the rows past M are zeros (their sums are never written)
       shared->xb.resize((pb.M + 2 * kAmxRows - 1) / (2 * kAmxRows) * 2 * kAmxRows * pb.K / 2, 0);
     if (pb.amx || (kBf16Dot && pb.M > 1)) pb.xb = shared->xb.data();

@@ -57,26 +57,64 @@ struct QuantRows {
 
  private:
   void group(const float* x, int64_t g) {
+#ifdef __AVX2__
+    if (kGX == 32) return group32(x, g);
+#endif
     float amax = 0.f;
     bool finite = true;
     for (int64_t i = 0; i < kGX; ++i)
       amax = std::max(amax, std::fabs(x[i])), finite &= std::isfinite(x[i]);
     if (!finite) return nonfinite(g);
     const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t v[kGX], total = 0;
-#ifdef __AVX2__  // round to nearest even, as lrintf, 8 at a time
-    for (int64_t i = 0; i < kGX; i += 8)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + i),
-                          _mm256_cvtps_epi32((__m256)(load(x + i) * inv)));
-#else
-    for (int64_t i = 0; i < kGX; ++i) v[i] = int32_t(std::lrintf(x[i] * inv));
-#endif
+    int32_t total = 0;
     for (int64_t i = 0; i < kGX; ++i) {
-      q[g * kGX + i] = int8_t(v[i]), total += v[i];
-      if (!dequant.empty()) dequant[g * kGX + i] = float(v[i]) * s;
+      const int32_t v = int32_t(std::lrintf(x[i] * inv));
+      q[g * kGX + i] = int8_t(v), total += v;
+      if (!dequant.empty()) dequant[g * kGX + i] = float(v) * s;
     }
     scale[g] = s, sum[g] = total;
   }
+
+#ifdef __AVX2__
+  // The same codes, scale and sum as the scalar loop (max and integer sums are exact; the
+  // conversion rounds to nearest even, as lrintf), 8 lanes at a time: the rows are quantized
+  // serially before the tasks start, and the scalar loop took a third of a 64-row down
+  // projection (K = 1536) on a 2-core Zen 5.
+  void group32(const float* x, int64_t g) {
+    const __m256 sign = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(3.4028235e38f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    int finite = 0xff;
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(x + 8 * j);
+      const __m256 a = _mm256_andnot_ps(sign, v[j]);
+      finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, big, _CMP_LE_OQ));  // NaN, Inf: 0
+      m = _mm256_max_ps(m, a);
+    }
+    if (finite != 0xff) return nonfinite(g);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+    const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    __m256i c[4], t = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
+      t = _mm256_add_epi32(t, c[j]);
+      if (!dequant.empty())
+        _mm256_storeu_ps(&dequant[g * kGX + 8 * j],
+                         _mm256_mul_ps(_mm256_cvtepi32_ps(c[j]), _mm256_set1_ps(s)));
+    }
+    // |codes| <= 127: the saturating packs keep them; they interleave 128-bit lanes, which
+    // the permute puts back in order
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
+                                         _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(&q[g * kGX]),
+                        _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4e));
+    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xb1));
+    scale[g] = s, sum[g] = _mm_cvtsi128_si32(u);
+  }
+#endif
 
   // A NaN or Inf in group g: no code stands for it (lrintf gives an unspecified value, cvtps
   // INT_MIN, and 127 / Inf scales every other x to 0), so the codes are 0 and the scale NaN:

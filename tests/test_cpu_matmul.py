@@ -54,6 +54,40 @@ def test_matmul_matches_float64(m, k, n, isa):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
 
 
+@pytest.mark.parametrize("m, k, n", [
+    (2, 64, 40), (5, 7 * 2, 40), (6, 64, 33), (16, 576, 576), (64, 1536, 576), (97, 24, 130),
+    (200, 40, 16 * 9 + 1), (3, 600, 20), (1, 576, 40)])
+def test_bfloat16_matmul_matches_float64_on_rounded_inputs(m, k, n):
+    """bfloat16 panels: x rounded to bfloat16 (16 at a time with AVX-512, as jnp rounds) times
+    the weights' bfloat16 values, against float64 on the same values: every panel layout (an
+    odd count per task, the matrix's partial last panel alone or second of a pair, 576 wide:
+    36 panels) and one row."""
+    rng = np.random.default_rng(m * n + k)
+    x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((n, k), np.float32)
+    x[0, :3] = [1e-40, -0.0, 3.0e30][:k]  # a subnormal, a signed zero, a large value
+    packed = cpu_matmul.pack(w, "bfloat16")
+    got = np.asarray(jax.jit(cpu_matmul.matmul)(jnp.asarray(x), packed))
+    xs = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+    want = xs @ np.asarray(cpu_matmul.unpack(packed), np.float64).T
+    assert got.shape == (m, n)
+    np.testing.assert_allclose(got[:1], want[:1], rtol=1e-5, atol=1e-5 * np.sqrt(k) * 1.5e31)
+    np.testing.assert_allclose(got[1:], want[1:], rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+@pytest.mark.skipif(not cpu_matmul.isa_paths(str(compile_cache.kernel_folder()))
+                    & cpu_matmul.PATH_BF16_DOT, reason="this build holds no AVX-512 BF16 path")
+def test_bfloat16_rows_equal_at_every_batch_of_two_or_more():
+    """On AVX-512 BF16 every panel of a batch of two rows or more runs vdpbf16ps (a run's odd
+    last panel too): a row's bits do not depend on the batch it came in."""
+    rng = np.random.default_rng(7)
+    w = cpu_matmul.pack(rng.standard_normal((576, 1536), np.float32), "bfloat16")
+    x = jnp.asarray(rng.standard_normal((64, 1536), np.float32))
+    f = jax.jit(cpu_matmul.matmul)
+    full = np.asarray(f(x, w))
+    for m in (2, 7, 16, 33):
+        np.testing.assert_array_equal(np.asarray(f(x[:m], w)), full[:m])
+
+
 def test_pack_keeps_every_weight_and_pads_with_zeros():
     w = np.arange(40 * 3, dtype=np.float32).reshape(40, 3)
     p = cpu_matmul.pack(w)
