@@ -50,6 +50,27 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx512_fp16",
+             "amx_tile", "amx_bf16", "amx_int8")  # what decides which kernel paths run
+
+
+def cpu_id() -> dict:
+    """The CPU's vendor, family, model and stepping, and which of ISA_FLAGS it has
+    (/proc/cpuinfo; {} elsewhere): a model name like "AMD EPYC" names no generation, and
+    one results file called this 2-core machine Zen 4 where its family (26) is Zen 5's."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+    except OSError:
+        return {}
+    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    out = {"vendor": info.get("vendor_id", "")}
+    out.update({k: int(info[k]) for k in ("cpu family", "model", "stepping")
+                if info.get(k, "").isdigit()})
+    flags = set(info.get("flags", "").split())
+    out["isa"] = [f for f in ISA_FLAGS if f in flags]
+    return out
+
+
 def versions(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Versions of the libraries a measurement ran on (those installed here), plus `extra`
     (a peer measured in its own venv reports its own)."""
@@ -73,6 +94,7 @@ def provenance(extra_versions: dict[str, str] | None = None) -> dict:
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": platform.platform(),
         "cpu": cpu_model(),
+        "cpu_id": cpu_id(),
         "cpus": os.cpu_count(),
         "backend": jax.default_backend(),
         "versions": versions(extra_versions),

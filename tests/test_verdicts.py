@@ -55,3 +55,19 @@ def test_not_slower_is_a_bound_with_a_number():
 
 def test_unpaired_runs_take_the_extreme_ratios():
     assert common.round_ratios([10, 12], [5, 6, 8]) == [10 / 8, 12 / 5]
+
+
+def test_provenance_names_the_cpu_generation_and_its_kernel_isa(tmp_path, monkeypatch):
+    """A results file records the CPU's family / model and the ISA flags that pick kernel
+    paths, read from /proc/cpuinfo's first processor (a model name alone, "AMD EPYC", named
+    no generation)."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n"
+                       "model\t\t: 2\nstepping\t: 1\nflags\t\t: fpu avx2 avx512f avx512_bf16\n"
+                       "\nprocessor\t: 1\ncpu family\t: 99\n")
+    real = common.Path
+    monkeypatch.setattr(common, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real(p))
+    assert common.cpu_id() == {"vendor": "AuthenticAMD", "cpu family": 26, "model": 2,
+                               "stepping": 1, "isa": ["avx2", "avx512f", "avx512_bf16"]}
+    monkeypatch.setattr(common, "Path", lambda p: tmp_path / "missing")
+    assert common.cpu_id() == {}
