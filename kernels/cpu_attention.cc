@@ -191,6 +191,38 @@ inline void weigh_values(const float* w, const float* v, int64_t D, int64_t t0, 
 // their keys (per page, that bookkeeping cost about as much as the dot products).
 constexpr int64_t kGroupPages = 4;
 
+// max(m, sc[t0, nt)), a NaN score skipped (std::max(m, NaN) keeps m; vmaxps returns its second
+// operand when either is NaN). The scalar loop waited on each comparison in turn: a quarter of
+// a decode row's attention (perf).
+inline float max_score(const float* sc, int64_t t0, int64_t nt, float m) {
+  int64_t t = t0;
+#ifdef __AVX512F__
+  __m512 mv = _mm512_set1_ps(m);
+  for (; t + 16 <= nt; t += 16) mv = _mm512_max_ps(_mm512_loadu_ps(sc + t), mv);
+  m = _mm512_reduce_max_ps(mv);
+#endif
+  for (; t < nt; ++t) m = std::max(m, sc[t]);
+  return m;
+}
+
+// The online softmax's step over one query vector's scores sc[t0, nt): the running max m and
+// sum l updated, acc ([D]) rescaled, and sc turned into the keys' weights.
+inline void softmax_step(float* sc, int64_t t0, int64_t nt, float* acc, int64_t D, float& m,
+                         float& l) {
+  float mx = max_score(sc, t0, nt, m);
+  const float corr = std::exp(m - mx);  // 0 on the first page (m = kNoScore)
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = t0; t < nt; ++t) {  // vectorized exp (libmvec, -ffast-math)
+    sc[t] = std::exp(sc[t] - mx);
+    sum += sc[t];
+  }
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
+  l = l * corr + sum;
+  m = mx;
+}
+
 // Query vector r's online softmax over keys [t0, nt) of a group of np pages (key t is row
 // t % K of page t / K): scores, the running max and sum, and acc rescaled and added to.
 inline void update(const float* qv, float* acc, float* m, float* l, int64_t r, int64_t D,
@@ -201,25 +233,15 @@ inline void update(const float* qv, float* acc, float* m, float* l, int64_t r, i
     const int64_t a = std::max<int64_t>(t0 - j * K, 0), b = std::min<int64_t>(nt - j * K, K);
     if (a < b) scores(qr, kb[j], D, a, b, sc + j * K);
   }
-  float mx = m[r];
-  for (int64_t t = t0; t < nt; ++t) mx = std::max(mx, sc[t]);
-  const float corr = std::exp(m[r] - mx);  // 0 on the first page (m = kNoScore)
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = t0; t < nt; ++t) {  // vectorized exp (libmvec, -ffast-math)
-    sc[t] = std::exp(sc[t] - mx);
-    sum += sc[t];
-  }
   float* ar = acc + r * D;
-#pragma omp simd
-  for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
+  softmax_step(sc, t0, nt, ar, D, m[r], l[r]);
   for (int64_t j = 0; j < np; ++j) {
     const int64_t a = std::max<int64_t>(t0 - j * K, 0), b = std::min<int64_t>(nt - j * K, K);
     if (a < b) weigh_values(sc + j * K, vb[j], D, a, b, ar);
   }
-  l[r] = l[r] * corr + sum;
-  m[r] = mx;
 }
+
+#include "cpu_attention_heads.h"  // float / bfloat16 pages: a KV head's query heads at once
 
 template <typename T, typename KT>
 void attend(const Problem& pb, const T* q, const KT* k, const KT* v, Scales scales, T* out,
@@ -257,8 +279,13 @@ void attend(const Problem& pb, const T* q, const KT* k, const KT* v, Scales scal
   const int64_t win = pb.window > 0 ? pb.window : len + 1;
   // Pages wholly before query 0's window are never read: a local layer's decode costs its
   // window, not its context.
+  // Float and bfloat16 pages with AVX-512F: read in place, every query head of the KV head
+  // at once (cpu_attention_heads.h); a quantized page is decoded to float32 first.
+  const bool heads = kHeadsPath<KT> && scales.k == nullptr && D % 16 == 0;
   const float* kb[kGroupPages];
   const float* vb[kGroupPages];
+  const KT* kraw[kGroupPages];
+  const KT* vraw[kGroupPages];
   for (int64_t p0 = std::max<int64_t>(0, first_pos - win + 1) / K; p0 < pages;
        p0 += kGroupPages) {
     const int64_t np = std::min(kGroupPages, pages - p0);
@@ -266,17 +293,26 @@ void attend(const Problem& pb, const T* q, const KT* k, const KT* v, Scales scal
       int64_t block = pb.block_tables[s * pb.pages_per_row + p0 + j];
       block = std::clamp<int64_t>(block, 0, pb.num_blocks - 1);  // a bad table cannot read out
       const int64_t base = (h * pb.num_blocks + block) * K;  // first token of the page
+      kraw[j] = k + base * D, vraw[j] = v + base * D;
+      if (heads) continue;
       const int64_t ng = scales.groups, sb = base * ng;  // the page's first scale
       kb[j] = page_f32(k + base * D, scales.k ? scales.k + sb : nullptr, kpage + j * K * D, K,
                        D, ng);
       vb[j] = page_f32(v + base * D, scales.v ? scales.v + sb : nullptr, vpage + j * K * D, K,
                        D, ng);
     }
+    if constexpr (kHeadsPath<KT>)
+      if (heads) prefetch_pages(kraw, vraw, np, K * D * int64_t(sizeof(KT)));
     const int64_t tok0 = p0 * K;
     for (int64_t i = std::max<int64_t>(0, tok0 - first_pos); i < nq; ++i) {
       const int64_t nt = std::min(np * K, first_pos + i - tok0 + 1);  // tokens <= position
       const int64_t t0 = std::max<int64_t>(0, first_pos + i - win + 1 - tok0);  // in window
       if (t0 >= nt) continue;
+      if constexpr (kHeadsPath<KT>)
+        if (heads) {
+          update_query(qv, acc, m, l, i * G, G, D, K, kraw, vraw, np, t0, nt, kpage, span);
+          continue;
+        }
       for (int64_t g = 0; g < G; ++g)
         update(qv, acc, m, l, i * G + g, D, K, kb, vb, np, t0, nt, sc);
     }

@@ -37,9 +37,12 @@ def attention_on(isa: str | None):
 @st.composite
 def batches(draw):
     """Ragged rows (prefill chunks, decodes, empty rows) over shuffled pages; NaN in every
-    block no row holds, so a read past a row's pages shows up in the output."""
-    rows, kb = draw(st.integers(1, 5)), draw(st.sampled_from([1, 2, 4, 16]))
-    h, group, d = draw(st.integers(1, 3)), draw(st.sampled_from([1, 3, 4])), 8
+    block no row holds, so a read past a row's pages shows up in the output. Head dims of 16
+    and 64 take the AVX-512 path that reads a KV head's query heads together (in passes of up
+    to 4: groups of 6 and 7 split 3 + 3 and 4 + 3), 8 the general one."""
+    rows, kb = draw(st.integers(1, 5)), draw(st.sampled_from([1, 2, 4, 16, 32]))
+    h, group = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2, 3, 4, 6, 7]))
+    d = draw(st.sampled_from([8, 16, 64]))
     pages = draw(st.integers(1, 4))
     lens = np.array(draw(st.lists(st.integers(0, pages * kb), min_size=rows, max_size=rows)))
     num_q = np.array([draw(st.integers(0, min(6, x))) for x in lens])
@@ -78,6 +81,25 @@ def test_bfloat16_matches_reference_in_float32(isa, batch):
     assert got.dtype == jnp.bfloat16
     want = naive(*[np.asarray(x, np.float32) for x in bf[:3]], *batch[3:], 0.3)
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("d, group", [(64, 3), (64, 7), (16, 6), (8, 3)])
+def test_a_query_gives_the_same_bits_alone_or_in_a_chunk(dtype, d, group):
+    """A decode row (one query) and the same position as the last query of a prefill or
+    verify chunk give the same bits: a query's arithmetic does not depend on the others in
+    its call (speculative decoding's greedy tokens equal plain decoding's)."""
+    rng = np.random.default_rng(d * group)
+    h, kb, n, length = 2, 32, 12, 150
+    k, v = (jnp.asarray(rng.standard_normal((h, n, kb, d)), dtype) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((5, h * group, d)), dtype)
+    tables = jnp.asarray(rng.permutation(np.arange(1, n))[None, :5].astype(np.int32))
+    lens = jnp.asarray([length], jnp.int32)
+    call = functools.partial(cpu_attention.paged_attention, scale=d ** -0.5)
+    chunk = call(q, k, v, tables, lens, jnp.asarray([0, 5], jnp.int32))
+    alone = call(q[4:], k, v, tables, lens, jnp.asarray([0, 1], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(chunk[4:], np.float32),
+                                  np.asarray(alone, np.float32))
 
 
 @settings(max_examples=5, deadline=None)
