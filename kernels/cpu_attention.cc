@@ -20,8 +20,9 @@
 //
 // q and out: f32 or bf16. K/V pages: f32 or bf16 (PagedAttention), or int8 / fp8 (e4m3fn,
 // e5m2) with Z f32 scales per token and KV head (PagedAttentionQuant: value d of a row is
-// q[d] * scale[d / (D / Z)]). Each page is decoded to f32 once per task before its dots;
-// compute is f32.
+// q[d] * scale[d / (D / Z)]). Compute is f32: with AVX-512F, float and bf16 pages (head_dim a
+// multiple of 16) are read in place, a KV head's query heads together (cpu_attention_heads.h);
+// otherwise each page is decoded to f32 once per task before its dots.
 
 #include <algorithm>
 #include <atomic>
