@@ -469,15 +469,23 @@ BF16_OVER_F32 = 1.5  # at batch 16, on a CPU whose kernel holds bfloat16 dot pro
 INT8_OVER_F32 = 1.2  # at batch 16, on the 1.5B
 
 
-def targets(model: str, table: list[dict], default: str, bf16_dot: bool) -> list[dict]:
+STARVED = "not a test: the machine ran out of free memory during the rounds"
+
+
+def targets(model: str, table: list[dict], default: str, bf16_dot: bool,
+            starved: bool = False) -> list[dict]:
     """The bars above that this run's sides can be judged on, each with its per-round values
-    and the one rule's verdict (a bar with a side missing from the run is left out)."""
+    and the one rule's verdict (a bar with a side missing from the run is left out). A
+    `starved` run (memory_check) judges none: its ratios measured the machine's paging (one
+    such run turned a bar 'met' on llama.cpp's halved speed)."""
     got = {(e["row"], e["side"]): e for e in table}
     out = []
 
     def bar(name: str, values: list[float], target: float) -> None:
         judged = common.target_verdict(values, target)
         judged["bar"] = judged.pop("target")  # "target" names the bar, as in other files
+        if starved:
+            judged["verdict"] = STARVED
         out.append(dict(target=name, value=float(np.median(values)), **judged))
 
     for (row, peer), x in DEFAULT_BARS.get(model, {}).items():
@@ -512,7 +520,8 @@ def add_targets(path: Path) -> list[dict]:
     data = json.loads(path.read_text())
     model = data["config"]["model"]
     dot = data["config"].setdefault("bf16_dot", precision.bf16_dot_here())  # the run's CPU
-    data["targets"] = targets(model, data["rows"], data["default"], dot)
+    data["targets"] = targets(model, data["rows"], data["default"], dot,
+                              data.get("memory", {}).get("starved", False))
     path.write_text(json.dumps(data, indent=1, default=common._plain) + "\n")
     return data["targets"]
 
@@ -583,9 +592,9 @@ def main(argv: list[str] | None = None) -> dict:
         batch=n, tokens=t, prefix_caching=c) for r, (n, t, c) in rows.items()},
         limits=LIMITS, greedy=True, ignore_eos=True, bf16_dot=dot),
         sides={s.name: s.settings for s in sides}, limits=lim["float32"], limits_by_precision=lim,
-        rows=table, memory=memory_check(m),
+        rows=table, memory=(memory := memory_check(m)),
         default=default, versus=versus(table, default),
-        targets=targets(a.model, table, default, dot))
+        targets=targets(a.model, table, default, dot, memory["starved"]))
     name = a.name or ("bench" + ("" if a.model == "smollm2" else f"_{a.model}")
                       + ("_quick" if a.quick else ""))
     payload["json"] = str(common.save_json(name, payload, extra))

@@ -175,6 +175,19 @@ def test_bench_flags_a_run_that_left_the_machine_without_free_memory(capsys):
     assert not bench.memory_check({"runs": runs})["starved"]
 
 
+def test_a_starved_bench_run_judges_no_bar():
+    """Every bar of a run that left the machine without free memory says it is not a test,
+    whatever its rounds would have said; the same rounds judged with memory to spare do."""
+    table = [dict(row="batch 16", side=s, runs=[100.0 * f, 101.0 * f, 99.0 * f],
+                  limit_tok_s=120.0) for s, f in (("paged-jax float32", 1.0),
+                                                  ("paged-jax bfloat16", 2.0))]
+    fed = bench.targets("smollm2", table, "paged-jax bfloat16", True)
+    assert {t["verdict"] for t in fed} == {"met"}
+    starved = bench.targets("smollm2", table, "paged-jax bfloat16", True, starved=True)
+    assert [t["target"] for t in starved] == [t["target"] for t in fed]
+    assert {t["verdict"] for t in starved} == {bench.STARVED}
+
+
 def test_async_scheduling_alternates_its_sides():
     from experiments import async_scheduling
 
