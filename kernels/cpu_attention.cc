@@ -224,22 +224,29 @@ inline void softmax_step(float* sc, int64_t t0, int64_t nt, float* acc, int64_t 
   m = mx;
 }
 
+// fn(j, a, b) for each page j < np of a group holding some of keys [t0, nt): its rows [a, b).
+template <typename Fn>
+inline void for_pages(int64_t np, int64_t K, int64_t t0, int64_t nt, Fn fn) {
+  for (int64_t j = 0; j < np; ++j) {
+    const int64_t a = std::max<int64_t>(t0 - j * K, 0), b = std::min<int64_t>(nt - j * K, K);
+    if (a < b) fn(j, a, b);
+  }
+}
+
 // Query vector r's online softmax over keys [t0, nt) of a group of np pages (key t is row
 // t % K of page t / K): scores, the running max and sum, and acc rescaled and added to.
 inline void update(const float* qv, float* acc, float* m, float* l, int64_t r, int64_t D,
                    int64_t K, const float* const* kb, const float* const* vb, int64_t np,
                    int64_t t0, int64_t nt, float* sc) {
   const float* qr = qv + r * D;
-  for (int64_t j = 0; j < np; ++j) {
-    const int64_t a = std::max<int64_t>(t0 - j * K, 0), b = std::min<int64_t>(nt - j * K, K);
-    if (a < b) scores(qr, kb[j], D, a, b, sc + j * K);
-  }
+  for_pages(np, K, t0, nt, [&](int64_t j, int64_t a, int64_t b) {
+    scores(qr, kb[j], D, a, b, sc + j * K);
+  });
   float* ar = acc + r * D;
   softmax_step(sc, t0, nt, ar, D, m[r], l[r]);
-  for (int64_t j = 0; j < np; ++j) {
-    const int64_t a = std::max<int64_t>(t0 - j * K, 0), b = std::min<int64_t>(nt - j * K, K);
-    if (a < b) weigh_values(sc + j * K, vb[j], D, a, b, ar);
-  }
+  for_pages(np, K, t0, nt, [&](int64_t j, int64_t a, int64_t b) {
+    weigh_values(sc + j * K, vb[j], D, a, b, ar);
+  });
 }
 
 #include "cpu_attention_heads.h"  // float / bfloat16 pages: a KV head's query heads at once

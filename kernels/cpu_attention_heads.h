@@ -101,16 +101,14 @@ template <int HG, typename KT>
 void update_heads(const float* qv, float* acc, float* m, float* l, int64_t r, int64_t D,
                   int64_t K, const KT* const* kb, const KT* const* vb, int64_t np, int64_t t0,
                   int64_t nt, float* sc, int64_t span) {
-  for (int64_t j = 0; j < np; ++j) {
-    const int64_t a = std::max<int64_t>(t0 - j * K, 0), b = std::min<int64_t>(nt - j * K, K);
-    if (a < b) scores_heads<HG>(qv + r * D, D, kb[j], a, b, sc + j * K, span);
-  }
+  for_pages(np, K, t0, nt, [&](int64_t j, int64_t a, int64_t b) {
+    scores_heads<HG>(qv + r * D, D, kb[j], a, b, sc + j * K, span);
+  });
   for (int g = 0; g < HG; ++g) softmax_step(sc + g * span, t0, nt, acc + (r + g) * D, D,
                                             m[r + g], l[r + g]);
-  for (int64_t j = 0; j < np; ++j) {
-    const int64_t a = std::max<int64_t>(t0 - j * K, 0), b = std::min<int64_t>(nt - j * K, K);
-    if (a < b) values_heads<HG>(sc + j * K, span, vb[j], D, a, b, acc + r * D);
-  }
+  for_pages(np, K, t0, nt, [&](int64_t j, int64_t a, int64_t b) {
+    values_heads<HG>(sc + j * K, span, vb[j], D, a, b, acc + r * D);
+  });
 }
 
 // The G heads of query vector block r (r = i * G) in passes of at most kHeads, as even as
