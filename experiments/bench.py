@@ -12,7 +12,7 @@ Sides (each where installed; `make peers` builds vLLM's and llama.cpp's venvs):
   ours-bf16   paged-jax with bfloat16 weights (the float32 weights rounded: bfloat16 panels
               in the C++ kernel, float32 activations, bfloat16 K/V)
   ours-int8   paged-jax, quantization="int8" (W8A8 on CPU; a 4-bit GGUF tensor keeps its
-              codes, weight-only)
+              codes: W4A8)
   ours-int4   paged-jax, quantization="int4" (W4A8)
   hf          transformers `generate()`, float32 and bfloat16, one static batch per run
   vllm        vLLM's CPU build (offline `LLM.generate`), float32 and bfloat16

@@ -53,7 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
-                    choices=["float32", "bfloat16"])
+                    choices=["float32", "bfloat16", "int8", "int4"],
+                    help="weight types: int8 / int4 are LLM(quantization=...) on the float32 "
+                         "model (float32 activations and pages)")
     ap.add_argument("--decode-steps", type=int, default=16, help="decode steps traced")
     ap.add_argument("--quick", action="store_true",
                     help="float32 at batch 1 and 4, 4 decode steps")
@@ -205,9 +207,11 @@ def main(argv: list[str] | None = None) -> dict:
         a.batches, a.decode_steps, a.dtypes = [1, 4], 4, ["float32"]
     rows, lim, backends = [], {}, {}
     for dtype in a.dtypes:
-        parts = real_model(dtype, a.model)
+        quant = dtype if dtype in ("int8", "int4") else None
+        parts = real_model("float32" if quant else dtype, a.model)
         since = time.time() - 1  # file times are coarser than the clock on some file systems
-        llm = LLM(model_parts=parts, max_num_seqs=max(a.batches), enable_prefix_caching=False)
+        llm = LLM(model_parts=parts, max_num_seqs=max(a.batches), enable_prefix_caching=False,
+                  quantization=quant)
         backends[dtype] = llm.llm_engine.runner.matmul
         tok = parts[2]
         for b in a.batches:

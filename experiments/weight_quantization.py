@@ -7,10 +7,10 @@ beside llama.cpp on the same GGUF, in one run.
 Sides per model (paged-jax with bench.py's limits, prefix caching off):
   float32    the C++ matmul kernel on float32 panels (the default on CPU)
   bfloat16   weights, activations and KV in bfloat16 (XLA's dot: the kernel is float32)
-  int8       quantization="int8", weight-only (float activations): int8 codes, a float16
-             scale per column and 32 inputs; a tensor whose every group of 32 lies on a 4-bit
-             grid (the GGUF's Q4 tensors) keeps that grid as 4-bit codes with float16 scales
-             and mins instead (kernels/cpu_matmul.py)
+  int8       quantization="int8": int8 codes, a float16 scale per column and 32 inputs; a
+             tensor whose every group of 32 lies on a 4-bit grid (the GGUF's Q4 tensors)
+             keeps that grid as 4-bit codes with float16 scales and mins instead; on CPU
+             activations as int8 codes per 32 too (W8A8 / W4A8, kernels/cpu_matmul.py)
   int4       quantization="int4": 4-bit codes per 32 inputs on each group's best 4-bit grid,
              its scale and min as 8-bit codes against float16 units per column and up to 8
              groups; activations as int8 codes per 32 (llama.cpp's Q8)
@@ -92,6 +92,20 @@ def weight_bytes(side, model: str) -> tuple[int, int]:
     return held, held - (tensors["token_embd.weight"] if "output.weight" in tensors else 0)
 
 
+def quantizes_x(side) -> bool:
+    """Whether any of a side's packed weights has the kernel quantize its activations (x as
+    int8 codes per 32 inputs: W8A8 / W4A8); never for a peer."""
+    import jax
+
+    from kernels.cpu_matmul import Packed
+
+    if not isinstance(side, bench.Ours):
+        return False
+    leaves = jax.tree.leaves(side.llm.llm_engine.runner.params,
+                             is_leaf=lambda x: isinstance(x, Packed))
+    return any(isinstance(x, Packed) and x.quantize_x for x in leaves)
+
+
 def perplexity(side, ids: list[int]) -> float:
     """exp(mean -log p) of each next token of `ids`, teacher-forced."""
     if isinstance(side, bench.Ours):
@@ -137,7 +151,8 @@ def summarize(model: str, sides: list, config, n_params: int, measured: dict) ->
     for s in sides:
         wb, read = measured["weights"][s.name]
         row = dict(side=s.name, settings=s.settings, weight_bytes=wb, bytes_read_per_token=read,
-                   bytes_per_param=wb / n_params, perplexity=ppl[s.name], **agree[s.name])
+                   bytes_per_param=wb / n_params, perplexity=ppl[s.name], **agree[s.name],
+                   activations_quantized=measured["quantized_x"][s.name])
         for r, by_side in tps.items():
             runs = by_side[s.name]
             row[r] = dict(tok_s=statistics.median(runs), spread=common.spread(runs), runs=runs,
@@ -167,7 +182,8 @@ def run_model(model: str, batches: list[int], rounds: int) -> dict:
         prompts = prompt_ids(tok, AGREE[0])
         agree = agreement({s.name: s.run(prompts, AGREE[1])["tokens"] for s in sides})
         measured = dict(speed=speed(sides, tok, batches, rounds), ppl=ppl, agree=agree,
-                        weights={s.name: weight_bytes(s, model) for s in sides})
+                        weights={s.name: weight_bytes(s, model) for s in sides},
+                        quantized_x={s.name: quantizes_x(s) for s in sides})
         # (read before close: a side lets go of its engine there)
     finally:
         for s in sides:
@@ -183,11 +199,13 @@ def _side(res: dict, name: str) -> dict | None:
 
 
 def _kept_codes(res: dict) -> bool:
-    """Whether "int8" kept every tensor's own GGUF codes (the file's bytes a parameter): its
-    quality is then the float32 side's by construction (the float32 side is the file
-    dequantized), so a quality target on it cannot fail."""
+    """Whether "int8" kept every tensor's own GGUF codes (the file's bytes a parameter) and
+    multiplied float activations: its quality is then the float32 side's by construction (the
+    float32 side is the file dequantized), so a quality target on it cannot fail. With its
+    activations quantized (W4A8 on the kept codes, the CPU kernel's way) it can."""
     int8, gguf = _side(res, "int8"), _side(res, "llama.cpp")
-    return bool(int8 and gguf and int8["bytes_per_param"] == gguf["bytes_per_param"])
+    return bool(int8 and gguf and int8["bytes_per_param"] == gguf["bytes_per_param"]
+                and not int8.get("activations_quantized", False))
 
 
 def _quality(target: str, value: float, met: bool, cannot_fail: bool) -> dict:

@@ -26,9 +26,13 @@ in integers (512-bit vpdpbusd, two panels and up to six rows per block of codes;
 kernels.cpu_matmul` times it beside the other panels); elsewhere the float paths multiply x's
 quantized values. With G = K, x stays as it is (weight-only). A
 weight whose every group already lies on a 4-bit grid (a GGUF Q4 tensor, dequantized at
-load) keeps that grid instead, as int4 codes with a float16 scale and min per group, weight-
-only (W4A16): moving each weight to a symmetric 8-bit grid would only add error
-(kernels/weight_codes.py).
+load) keeps that grid instead, as int4 codes with a float16 scale and min per group
+(kernels/weight_codes.py): moving each weight to a symmetric 8-bit grid would only add error.
+Its x is quantized as for any int8 weight, and the codes multiply in integers on int4's path
+(W4A8). Kept weight-only (W4A16), two rows or more ran the float micro-kernel on each decoded
+panel: on SmolLM2's Q4_1 file, whose every projection keeps its grid, int8 decoded 16 rows at
+0.64x int4's speed and prefilled at 0.45x (`python -m experiments.step_profile --batches 16
+--dtypes int8 int4`, 2-core AMD EPYC Zen 4).
 Int4 (`pack(w, "int4")`, W4A8): asymmetric 4-bit codes per 32 inputs on each group's best
 4-bit grid (a GGUF Q4 block's own, where it came from one), the group's scale and min coded in
 8 bits against float16 units per column and up to 8 groups (4.6 bits a weight in all, as
@@ -124,8 +128,8 @@ def pack(w, weights: str = "float32", device=None, keep_grid: bool = True,
         return Packed(*_pack_int4(panels, n, put, coded=s), quantize_x=True)
     if k % 4:
         raise ValueError(f"int8 weights need an input width that is a multiple of 4, got {k}")
-    if keep_grid and k % GROUP == 0 and _on_grid(panels):
-        return Packed(*_pack_int4(panels, n, put, coded=0))
+    if keep_grid and k % GROUP == 0 and _on_grid(panels):  # W4A8 on the source's own grid
+        return Packed(*_pack_int4(panels, n, put, coded=0), quantize_x=True)
     g = GROUP if k % GROUP == 0 else k
     q, scales = weight_codes.int8_groups(panels.reshape(p, k // g, g, NR))  # [P, K / G, 16]
     q = q.reshape(p, k // 4, 4, NR)

@@ -70,8 +70,9 @@ class LLM:
         force decode's GPU kernel) or "cpu"; None picks by platform.
       matmul_backend: "cpu" (the C++ CPU matmul kernel on packed weights; float32 on CPU
         devices) or "xla"; None: "cpu" where it applies (EngineConfig.matmul_backend).
-      quantization: None, "int8" or "int4": weight-only, with group scales, on the CPU matmul
-        kernel (EngineConfig.quantization); activations and KV stay as `dtype` says.
+      quantization: None, "int8" or "int4": codes with group scales, on the CPU matmul
+        kernel, which quantizes the activations to int8 per 32 inputs for its integer dot
+        products (EngineConfig.quantization); KV and everything else stay as `dtype` says.
       max_logprobs: the most logprobs a request may ask for.
       enable_prefix_caching: reuse cached KV blocks of shared prompt prefixes (vLLM default).
       tokenizer: a Hugging Face folder (its tokenizer.json) whose tokenizer replaces the

@@ -27,7 +27,7 @@ from tests.attention_helpers import naive
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 PATH_BITS = {"avx512f": 1, "avx2": 2, "f16c": 4, "avx_vnni": 8, "fma": 16,
              "avx512_bf16": 32, "amx_bf16": 64, "avx512_vnni": 128}  # PagedJaxIsaPaths' bits
-WEIGHTS = ("float32", "bfloat16", "int8", "int4", "int4-grid")  # int4-grid: W4A16
+WEIGHTS = ("float32", "bfloat16", "int8", "int4", "int4-grid")  # int4-grid: int8 kept a grid
 
 
 @functools.cache
@@ -96,14 +96,15 @@ def test_isas_build_apart_and_an_unknown_one_is_refused(monkeypatch):
 
 def packed(weights: str, n: int, k: int, rng) -> cpu_matmul.Packed:
     """A random [n, k] weight packed as `weights`; int4-grid lies on a 4-bit grid per 32
-    inputs (a GGUF Q4 tensor), which int8 packing keeps as weight-only int4 codes."""
+    inputs (a GGUF Q4 tensor), which int8 packing keeps as int4 codes with float16 scales
+    and mins, x quantized (W4A8)."""
     if weights != "int4-grid":
         return cpu_matmul.pack(rng.standard_normal((n, k), np.float32), weights)
     d = rng.uniform(0.01, 0.1, (n, k // 32, 1)).astype(np.float16).astype(np.float32)
     lo = rng.uniform(-1, 0, (n, k // 32, 1)).astype(np.float16).astype(np.float32)
     w = (rng.integers(0, 16, (n, k // 32, 32)) * d + lo).reshape(n, k).astype(np.float32)
     p = cpu_matmul.pack(w, "int8")
-    assert p.mins is not None and not p.quantize_x
+    assert p.mins is not None and p.supers is None and p.quantize_x
     return p
 
 

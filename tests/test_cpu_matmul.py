@@ -159,7 +159,8 @@ def test_int8_matmul_is_exact_on_its_dequantized_weights(m, k, n, isa):
 def test_int8_keeps_a_four_bit_source_grid():
     """A weight whose every group of 32 lies on a 4-bit grid (a GGUF Q4_1 tensor, dequantized)
     is kept on it, as int4 codes with float16 scales and mins: exact to float16, where
-    symmetric int8 codes would move each weight by up to half of max |w| / 127; a weight off
+    symmetric int8 codes would move each weight by up to half of max |w| / 127. Its x is
+    quantized as for int8 codes (W4A8: the integer path, one row or many); a weight off
     any such grid, or one packed with keep_grid=False, gets int8 codes. Tensor parallelism
     shards either (tests/test_tensor_parallel.py)."""
     rng = np.random.default_rng(5)
@@ -169,12 +170,13 @@ def test_int8_keeps_a_four_bit_source_grid():
     q[..., 0], q[..., 1] = 0, 15  # as Q4_1: the block's min and max are codes 0 and 15
     w = (q * d + mn).reshape(40, 128).astype(np.float32)
     p = cpu_matmul.pack(w, "int8")
-    assert p.panels.dtype == jnp.uint8 and p.mins.dtype == jnp.float16 and not p.quantize_x
+    assert p.panels.dtype == jnp.uint8 and p.mins.dtype == jnp.float16 and p.quantize_x
     np.testing.assert_allclose(np.asarray(cpu_matmul.unpack(p)), w, rtol=0, atol=1e-6)
-    for m in (1, 3):  # one row: codes widened in registers; more: the decoded panel
+    for m in (1, 3, 8):  # x quantized per row and 32 inputs, as for int8 codes (W4A8)
         x = rng.standard_normal((m, 128), np.float32)
-        np.testing.assert_allclose(np.asarray(jax.jit(linear)(jnp.asarray(x), p)), x @ w.T,
-                                   rtol=1e-5, atol=1e-4)
+        xq = cpu_matmul.quantized_rows(x).astype(np.float64)
+        np.testing.assert_allclose(np.asarray(jax.jit(linear)(jnp.asarray(x), p)),
+                                   xq @ w.astype(np.float64).T, rtol=1e-5, atol=1e-4)
     assert cpu_matmul.pack(w, "int8", keep_grid=False).panels.dtype == jnp.int8
     w[3, 7] += 1e-3  # one weight off its block's grid
     assert cpu_matmul.pack(w, "int8").panels.dtype == jnp.int8

@@ -67,7 +67,7 @@ def test_a_planted_overflow_is_reported(tmp_path, monkeypatch):
 
 
 def test_kernels_run_clean_under_ubsan(monkeypatch):
-    """Each ISA's float32, int8, int4 (W4A8 and weight-only) matmuls and float / quantized
+    """Each ISA's float32, bfloat16, int8 and int4 (W8A8, W4A8) matmuls and float / quantized
     attention, NaN and Inf rows included: no report, and the libraries that ran were the
     instrumented ones."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",

@@ -58,11 +58,12 @@ class EngineConfig:
       matmul_backend: "cpu" (projections and LM head packed for the C++ CPU matmul kernel,
         kernels/cpu_matmul.py: float32 on CPU devices, each packing its own shard under
         tensor parallelism) or "xla" (XLA's dot); None: "cpu" where it applies and builds.
-      quantization: weight-only quantization (vLLM's name): None, "int8" (projections and
-        LM head as int8 with a float16 scale per output column and 32 inputs) or "int4"
-        (4-bit codes with a float16 scale and min per output column and 32 inputs), read by
-        the CPU matmul kernel (kernels/cpu_matmul.py; needs matmul_backend "cpu"), or on a
-        GPU by kernels/quant_matmul.py (one device).
+      quantization: weight quantization (vLLM's name): None, "int8" (projections and LM
+        head as int8 with a float16 scale per output column and 32 inputs; a tensor already
+        on a 4-bit grid keeps it) or "int4" (4-bit codes, each group's scale and min coded
+        in 8 bits), read by the CPU matmul kernel (kernels/cpu_matmul.py; needs
+        matmul_backend "cpu"), which quantizes the activations to int8 per 32 inputs too, or
+        on a GPU, weight-only, by kernels/quant_matmul.py (one device).
       max_logprobs: the most top logprobs a request may ask for (static).
       seed: engine seed, used for requests without their own.
       enable_prefix_caching: reuse cached full blocks across requests (prefix_cache.py).

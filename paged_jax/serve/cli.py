@@ -27,7 +27,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                    help="weight-only quantization on the CPU matmul kernel (vLLM's flag)")
+                    help="weight quantization on the CPU matmul kernel, activations as int8 "
+                         "per 32 inputs (vLLM's flag)")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                     default=True)
     ap.add_argument("--hybrid-kv-cache", default="auto", choices=list(HYBRID),
