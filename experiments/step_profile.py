@@ -196,7 +196,7 @@ def run_batch(llm, prompts: list[list[int]], decode_steps: int, since: float) ->
 
 def main(argv: list[str] | None = None) -> dict:
     from experiments import common
-    from experiments.bench import limits
+    from experiments.bench import QUANTIZED, limits
     from experiments.prompts import prompt_ids
     from experiments.serving import real_model
     from paged_jax import LLM
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
         a.batches, a.decode_steps, a.dtypes = [1, 4], 4, ["float32"]
     rows, lim, backends = [], {}, {}
     for dtype in a.dtypes:
-        quant = dtype if dtype in ("int8", "int4") else None
+        quant = dtype if dtype in QUANTIZED else None
         parts = real_model("float32" if quant else dtype, a.model)
         since = time.time() - 1  # file times are coarser than the clock on some file systems
         llm = LLM(model_parts=parts, max_num_seqs=max(a.batches), enable_prefix_caching=False,

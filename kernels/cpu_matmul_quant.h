@@ -12,8 +12,8 @@
 //         min, or (two-level, as GGUF's K-quants) a uint8 scale code and an int8 min code
 //         times a float16 scale unit and min unit per column and S groups ("supers")
 //
-// Where the weights ask for it (quantize_x: int8 W8A8 and int4 W4A8), the activations are quantized too,
-// per row and group of 32 k: xq = round(x / s) in int8, s = max |x| / 127 (as llama.cpp's Q8
+// Where the weights ask for it (quantize_x: int8 W8A8, int4 W4A8), the activations are
+// quantized too, per row and group of 32 k: xq = round(x / s) in int8, s = max |x| / 127 (as llama.cpp's Q8
 // activations), and every row multiplies codes in integers; per 32 k,
 //
 //   sum_k w[k, c] x[k] = scale_c * s * sum_k q[k, c] xq[k]  (+ min_c * s * sum_k xq[k])
@@ -22,9 +22,9 @@
 // dot products' rate, not float FMAs': docs/architecture.md), and a row's integer sums do not
 // depend on its batch. Without AVX2 the same xq runs the float path, dequantized. Weight-only
 // weights (int8 whose K is not a multiple of 32: W8A16; int4 W4A16, which `pack` no longer
-// makes: an int8 weight kept on its 4-bit grid is W4A8 since s73) multiply float activations: a single row with
-// the codes widened in registers, two rows or more through the float micro-kernel on the
-// decoded panel.
+// makes: an int8 weight kept on its 4-bit grid is W4A8) multiply float activations: a single
+// row with the codes widened in registers, two rows or more through the float micro-kernel on
+// the decoded panel.
 
 constexpr int64_t kGX = 32;  // k per activation group (and per int4 weight group)
 

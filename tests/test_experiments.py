@@ -240,6 +240,22 @@ def test_weight_quantization_reports_every_side_and_target():
             word.startswith("cannot fail") and t["met"] is None), t
 
 
+def test_int8_quality_is_judged_unless_it_kept_the_codes_weight_only():
+    """'cannot fail' only where int8 holds the file's own bytes and multiplies float
+    activations (its logits are float32's); with its activations quantized (W4A8 on the kept
+    codes, the CPU kernel's way) the quality targets are judged, as they are on other bytes."""
+    from experiments import weight_quantization as wq
+
+    def res(bytes_int8: float, quantized: bool | None) -> dict:
+        int8 = dict(side="int8", bytes_per_param=bytes_int8)
+        if quantized is not None:
+            int8["activations_quantized"] = quantized
+        return dict(sides=[int8, dict(side="llama.cpp", bytes_per_param=0.718)])
+
+    assert wq._kept_codes(res(0.718, False)) and wq._kept_codes(res(0.718, None))  # old files
+    assert not wq._kept_codes(res(0.718, True)) and not wq._kept_codes(res(1.1, False))
+
+
 def test_speculative_draft_runs_every_side_on_the_same_tokens():
     """SmolLM2 drafting for itself (every draft kept), one round, batch 1 and 2: the judged
     side and plain, greedy identity checked, the targets' verdicts, JSON and PNG."""
