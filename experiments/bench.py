@@ -426,12 +426,13 @@ PEER_DEFAULTS = {"vLLM": "vLLM bfloat16", "llama.cpp": "llama.cpp (GGUF weights)
 
 def default_side(model: str, parts) -> str:
     """The side `LLM(model)` with nothing set runs on this machine (paged_jax/precision.py:
-    bfloat16 where this CPU's check keeps the model's quality, else float32)."""
+    the fastest of float32, bfloat16 and the checkpoint's own 4-bit codes, "int8", whose
+    quality holds)."""
     from paged_jax import precision
     from paged_jax.models import model_path
 
     key = precision.checkpoint_key(model_path(model), model)
-    return f"paged-jax {precision.choose(parts[0], parts[1], parts[2], key)['dtype']}"
+    return f"paged-jax {precision.choose(parts[0], parts[1], parts[2], key)['weights']}"
 
 
 def versus(table: list[dict], ours_default: str) -> list[dict]:

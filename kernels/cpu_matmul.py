@@ -155,8 +155,9 @@ def _bf16_panels(panels: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(pairs, jnp.bfloat16).astype(jnp.float32)
 
 
-def _on_grid(panels: np.ndarray, chunk: int = 256) -> bool:
-    """Every 32-input group of float [P, K, 16] panels on a 4-bit grid (early out)."""
+def _on_grid(panels: np.ndarray, chunk: int = 16) -> bool:
+    """Every 32-input group of float [P, K, 16] panels on a 4-bit grid (early out: a tensor
+    off any grid is told by its first `chunk` panels)."""
     p, k, _ = panels.shape
     for i in range(0, p, chunk):
         x = panels[i:i + chunk].reshape(-1, k // GROUP, GROUP, NR)

@@ -24,9 +24,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 def resolve_dtype(dtype: str) -> str:
     """The dtype a checkpoint is loaded in: "auto" is bfloat16 on accelerators and float32
-    on CPU, where `LLM` then checks whether this CPU's bfloat16 path (C++ matmuls on
-    bfloat16 weights) keeps the checkpoint's quality, and runs it if so
-    (paged_jax/precision.py)."""
+    on CPU, where `LLM` then runs the fastest of float32, bfloat16 and a 4-bit checkpoint's
+    own codes that keeps the checkpoint's quality (paged_jax/precision.py)."""
     if dtype == "auto":
         return "float32" if jax.default_backend() == "cpu" else "bfloat16"
     if dtype not in DTYPES:
@@ -51,14 +50,14 @@ def model_len(asked: int | None, config) -> int:
 
 
 def _choose_dtype(asked: str, dtype: str, model: str, model_parts, quantization, config,
-                  params, tok) -> tuple[dict, dict]:
-    """What runs and why (LLM.dtype_choice), and the params in it: the precision check for
-    "auto" on CPU when LLM loads the checkpoint itself (paged_jax/precision.py), else the
-    dtype as resolved."""
+                  params, tok, matmul_backend: str | None = None) -> tuple[dict, dict]:
+    """What runs and why (LLM.dtype_choice: dtype and quantization), and the params in it:
+    the precision check for "auto" on CPU when LLM loads the checkpoint itself
+    (paged_jax/precision.py), else the dtype as resolved and the quantization as asked."""
     if asked != "auto":
-        return dict(dtype=dtype, reason="asked for"), params
+        return dict(dtype=dtype, quantization=quantization, reason="asked for"), params
     if model_parts is not None or quantization or jax.default_backend() != "cpu":
-        return dict(dtype=dtype, reason="the platform's default" + (
+        return dict(dtype=dtype, quantization=quantization, reason="the platform's default" + (
             " (weights given or quantized: no precision check)" if model_parts or
             quantization else "")), params
     from paged_jax import precision
@@ -68,7 +67,8 @@ def _choose_dtype(asked: str, dtype: str, model: str, model_parts, quantization,
         path = model_path(model)
     except (ValueError, FileNotFoundError, OSError):
         path = None
-    choice = precision.choose(config, params, tok, precision.checkpoint_key(path, model))
+    choice = precision.choose(config, params, tok, precision.checkpoint_key(path, model),
+                              quantize=matmul_backend != "xla")
     if choice["dtype"] != dtype:
         params = jax.tree.map(lambda x: x.astype(DTYPES[choice["dtype"]]), params)
     return choice, params

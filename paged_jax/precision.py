@@ -1,15 +1,23 @@
 """`dtype="auto"` on CPU: the fastest precision whose quality holds, per checkpoint and machine.
 
+    int8      a checkpoint whose weights are 4-bit codes (a GGUF Q4 file, dequantized at
+              load) keeps its own codes: quantization="int8" keeps every tensor on a 4-bit
+              grid as it is and multiplies it in integers against x quantized per row and
+              32 inputs (W4A8, as llama.cpp runs the same file), the other tensors as int8
+              (kernels/cpu_matmul.py); considered when at least half the weights keep a grid
     bfloat16  where the C++ matmul kernel holds AVX-512 BF16 dot products (half float32's
               weight bytes, twice its multiply rate; CPUs with AMX tiles have them too, and
-              the kernel then runs the tiles: kernels/cpu_matmul_bf16.h) and the
-              checkpoint's perplexity on PASSAGE stays within QUALITY (0.5%) of float32's
-    float32   elsewhere
+              the kernel then runs the tiles: kernels/cpu_matmul_bf16.h)
+    float32   the reference the others are held to, and what runs when neither applies
 
-The check runs the model's forward over PASSAGE on both precisions as the engine would run
-them (the packed C++ matmuls, bfloat16 pages for bfloat16), once per checkpoint and machine:
-its result is kept in the cache folder (`precision.json`, paged_jax/compile_cache.py) and
-logged once; `LLM.dtype_choice` says what was chosen and why. An explicit dtype always wins.
+Each candidate runs the model's forward over PASSAGE as the engine would run it (the packed
+C++ matmuls; bfloat16 pages for bfloat16, float32 for the others); those whose perplexity
+stays within QUALITY (0.5%) of float32's have their matmuls timed (every projection and the
+head at 1 and 16 rows, best of 5: `chain_seconds`), and the fastest runs. The check runs
+once per checkpoint and machine: its result is kept in the cache folder (`precision.json`,
+paged_jax/compile_cache.py) and logged once; `LLM.dtype_choice` says what was chosen and
+why. An explicit dtype or quantization always wins (dtype="bfloat16" or "float32" runs
+unquantized).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import hashlib
 import json
 import logging
 import math
+import time
 from pathlib import Path
 
 import jax
@@ -28,6 +37,7 @@ from paged_jax import compile_cache
 
 QUALITY = 0.005  # the most a faster precision may raise the passage's perplexity
 MAX_TOKENS = 256  # the passage's tokens scored (bounded: the check runs at first load)
+ROWS = (1, 16)  # the decode rows a precision's matmuls are timed at
 LOG = logging.getLogger("paged_jax")
 
 PASSAGE = (
@@ -60,29 +70,45 @@ PASSAGE = (
 and the quantization experiments measure: about 400 tokens."""
 
 
+def kernel_paths() -> int:
+    """The ISA paths of this machine's build of the C++ matmul kernel (0 off the CPU, or
+    when it does not build)."""
+    from kernels import cpu_matmul
+
+    if jax.default_backend() != "cpu":
+        return 0
+    return cpu_matmul.isa_paths(str(compile_cache.kernel_folder()))
+
+
 def bf16_dot_here() -> bool:
     """Whether this machine's build of the C++ matmul kernel holds bfloat16 dot products."""
     from kernels import cpu_matmul
 
-    if jax.default_backend() != "cpu":
-        return False
-    paths = cpu_matmul.isa_paths(str(compile_cache.kernel_folder()))
-    return bool(paths & cpu_matmul.PATH_BF16_DOT)
+    return bool(kernel_paths() & cpu_matmul.PATH_BF16_DOT)
 
 
-def passage_perplexity(config, params, tokenizer, weights: str) -> float:
+def laid_out(params, weights: str):
+    """The runtime-form params with the projections packed as `weights` for the C++ kernel
+    (float32 params in, cast to bfloat16 first for "bfloat16")."""
+    from paged_jax.models.llama import pack_params, prepare_params
+
+    dtype = jnp.bfloat16 if weights == "bfloat16" else jnp.float32
+    return pack_params(prepare_params(jax.tree.map(lambda x: x.astype(dtype), params)),
+                       weights)
+
+
+def passage_perplexity(config, params, tokenizer, weights: str, laid=None) -> float:
     """exp(mean -log p) of PASSAGE's next tokens (its first MAX_TOKENS), teacher-forced in
-    one prefill, with the projections packed as `weights` for the C++ kernel and the pages
-    in that precision."""
+    one prefill, with the projections packed as `weights` for the C++ kernel (`laid`: those
+    params already packed) and the pages in that precision (float32 for int8)."""
     from paged_jax.cache.kv_cache import init_kv_cache
-    from paged_jax.models.llama import forward, pack_params, prepare_params
+    from paged_jax.models.llama import forward
 
     ids = np.asarray(tokenizer.encode(PASSAGE)[:MAX_TOKENS], np.int32)
     t, block = len(ids), 16
     pages = -(-t // block)
     dtype = jnp.bfloat16 if weights == "bfloat16" else jnp.float32
-    laid = pack_params(prepare_params(jax.tree.map(lambda x: x.astype(dtype), params)),
-                       weights)
+    laid = laid_out(params, weights) if laid is None else laid
     cache = init_kv_cache(config.num_layers, config.num_kv_heads, pages + 1, block,
                           config.head_dim, dtype)
     pos = jnp.arange(t, dtype=jnp.int32)
@@ -95,27 +121,107 @@ def passage_perplexity(config, params, tokenizer, weights: str) -> float:
     return float(math.exp(float(jnp.mean(nll))))
 
 
-def choose(config, params, tokenizer, key: str) -> dict:
-    """The precision `dtype="auto"` runs on this CPU (module docstring): dict(dtype, reason,
-    and the perplexities measured), from the cache when this checkpoint and machine were
-    checked before. `key` names the checkpoint (its file and size)."""
-    if not bf16_dot_here():
-        return dict(dtype="float32", reason="no bfloat16 dot products in this CPU's kernel")
+def packed_weights(laid) -> list:
+    """The packed projections and head of laid-out params (cpu_matmul.Packed leaves)."""
+    from kernels.cpu_matmul import Packed
+
+    is_packed = lambda x: isinstance(x, Packed)  # noqa: E731
+    return [w for w in jax.tree.leaves(laid, is_leaf=is_packed) if is_packed(w)]
+
+
+def kept_share(laid) -> float:
+    """The share of the packed weights' parameters that kept their 4-bit source grid (int8
+    packing keeps a GGUF Q4 tensor's codes: kernels/cpu_matmul.py)."""
+    ws = packed_weights(laid)
+    size = lambda w: w.n * w.panels.shape[1]  # noqa: E731
+    return sum(size(w) for w in ws if w.mins is not None) / max(sum(map(size, ws)), 1)
+
+
+def chain_seconds(laid, rows: tuple[int, ...] = ROWS, repeats: int = 5) -> float:
+    """The packed matmuls of one decode step (every projection and the head, one call),
+    best of `repeats`, at each of `rows` rows: their geometric mean, in seconds (what the
+    precision's weights cost a step; the rest of a step is the same for all of them)."""
+    from kernels import cpu_matmul
+
+    ws = packed_weights(laid)
+    f = jax.jit(lambda ws, xs: [cpu_matmul.matmul(x, w) for x, w in zip(xs, ws, strict=True)])
+    best = []
+    for r in rows:
+        xs = [jnp.full((r, w.panels.shape[1]), 0.01, jnp.float32) for w in ws]
+        jax.block_until_ready(f(ws, xs))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(ws, xs))
+            times.append(time.perf_counter() - t0)
+        best.append(min(times))
+    return float(np.exp(np.mean(np.log(best))))
+
+
+def candidates(paths: int, quantize: bool) -> list[str]:
+    """The weights `choose` tries beside float32 on a kernel with these ISA paths: int8 (a
+    4-bit checkpoint's own codes: `quantize`) and bfloat16 (where it has bfloat16 dot
+    products)."""
+    from kernels import cpu_matmul
+
+    if not paths:
+        return []
+    return ["int8"] * quantize + ["bfloat16"] * bool(paths & cpu_matmul.PATH_BF16_DOT)
+
+
+def measure(config, params, tokenizer, weights: str) -> dict:
+    """One precision's passage perplexity and matmul time (int8: also the share of weights
+    that kept their 4-bit grid; under half, it is not the checkpoint's own bits and is not
+    measured further)."""
+    laid = laid_out(params, weights)
+    out = {}
+    if weights == "int8":
+        out["kept_grid"] = kept_share(laid)
+        if out["kept_grid"] < 0.5:
+            return out
+    out["perplexity"] = passage_perplexity(config, params, tokenizer, weights, laid)
+    out["seconds"] = chain_seconds(laid)
+    return out
+
+
+def choose(config, params, tokenizer, key: str, quantize: bool = True) -> dict:
+    """What `dtype="auto"` runs on this CPU (module docstring): dict(dtype, quantization,
+    reason, and what was measured), from the cache when this checkpoint and machine were
+    checked before. `key` names the checkpoint (its file and size); `quantize`: int8 may be
+    chosen (not when the user set matmul_backend="xla")."""
+    tried = candidates(kernel_paths(), quantize)
+    if not tried:
+        return dict(dtype="float32", quantization=None,
+                    reason="no bfloat16 dot products in this CPU's kernel, and no 4-bit "
+                           "checkpoint's codes to keep")
     path = cache_file()
     seen = json.loads(path.read_text()) if path.exists() else {}
-    k = hashlib.sha256(f"{key}|{_machine()}|{QUALITY}|{MAX_TOKENS}".encode()).hexdigest()[:20]
+    k = hashlib.sha256(f"{key}|{_machine()}|{QUALITY}|{MAX_TOKENS}|{ROWS}|{tried}".encode()
+                       ).hexdigest()[:20]
     if k not in seen:
-        f32 = passage_perplexity(config, params, tokenizer, "float32")
-        bf16 = passage_perplexity(config, params, tokenizer, "bfloat16")
-        ok = bf16 <= f32 * (1 + QUALITY)
-        seen[k] = dict(dtype="bfloat16" if ok else "float32", perplexity_float32=f32,
-                       perplexity_bfloat16=bf16, reason=(
-                           f"bfloat16's passage perplexity {bf16:.4f} against float32's "
-                           f"{f32:.4f}: {'within' if ok else 'past'} {QUALITY:.1%}"))
+        seen[k] = verdict({w: measure(config, params, tokenizer, w)
+                           for w in ["float32", *tried]})
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(seen, indent=1))
-        LOG.warning("dtype='auto' on this CPU: %s (%s)", seen[k]["dtype"], seen[k]["reason"])
+        LOG.warning("dtype='auto' on this CPU: %s (%s)", seen[k]["weights"], seen[k]["reason"])
     return seen[k]
+
+
+def verdict(measured: dict) -> dict:
+    """The fastest of the measured precisions whose perplexity holds within QUALITY of
+    float32's, and why."""
+    f32 = measured["float32"]["perplexity"]
+    held = {w: m for w, m in measured.items()
+            if "perplexity" in m and m["perplexity"] <= f32 * (1 + QUALITY)}
+    best = min(held, key=lambda w: held[w]["seconds"])
+    why = [f"{w}: perplexity {m['perplexity']:.4f} "
+           f"({'within' if w in held else 'past'} {QUALITY:.1%}), matmuls "
+           f"{m['seconds'] * 1e3:.2f} ms" if "perplexity" in m else
+           f"{w}: {m['kept_grid']:.0%} of the weights on a 4-bit grid (not its own codes)"
+           for w, m in measured.items()]
+    return dict(dtype="bfloat16" if best == "bfloat16" else "float32",
+                quantization="int8" if best == "int8" else None, weights=best,
+                measured=measured, reason=f"fastest within {QUALITY:.1%}: " + "; ".join(why))
 
 
 def cache_file() -> Path:

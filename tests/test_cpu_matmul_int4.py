@@ -180,3 +180,31 @@ def test_int4_weights_with_an_int8_kv_cache(backend):
     batched = run(engine(**kw), reqs)
     for rid, p, sp in reqs:
         assert tokens(batched, rid) == tokens(run(engine(**kw), [(rid, p, sp)]), rid), rid
+
+
+def test_grid_search_finds_coarser_grids_beside_full_ones():
+    """grid4 searches only the groups whose codes do not span 0..15 (a K-quant block's may
+    use 3..12, a group on no grid none): no group is fit worse than by a search of every
+    group, and every group on a grid, coarse or full, is given back exactly. (Where
+    several grids fit a group exactly, 0..4 also lying on 0..8, float rounding picks one.)"""
+    rng = np.random.default_rng(7)
+    n_groups = 60
+    d = rng.uniform(0.01, 0.1, (n_groups, 1, 1)).astype(np.float32)
+    mn = rng.uniform(-1, 0, (n_groups, 1, 1)).astype(np.float32)
+    top = np.where(np.arange(n_groups) % 3 == 0, 15, rng.integers(3, 15, n_groups))
+    q = rng.integers(0, 16, (n_groups, 32, 1)) % (top[:, None, None] + 1)
+    q[:, 0], q[:, 1] = 0, top[:, None]
+    x = (q * d + mn).astype(np.float32)
+    x[-5:] = rng.standard_normal((5, 32, 1)).astype(np.float32)  # on no grid: searched, refit
+    x = x.reshape(n_groups // 4, 4, 32, 1).transpose(0, 2, 1, 3).reshape(n_groups // 4, 32, 4)
+    scale, lo = weight_codes.grid4(x)
+    want = weight_codes._search(x, x.min(axis=-2), x.max(axis=-2))
+    sq = lambda s, m: ((weight_codes.codes4(x, s, m) * s[..., None, :] + m[..., None, :]  # noqa: E731
+                        - x) ** 2).sum(axis=-2)
+    assert np.all(sq(scale, lo) <= sq(*want) * (1 + 1e-5) + 1e-12)
+    back = weight_codes.codes4(x, scale, lo) * scale[..., None, :] + lo[..., None, :]
+    grid = np.ones(n_groups, bool)
+    grid[-5:] = False
+    grid = grid.reshape(n_groups // 4, 4)
+    err = np.abs(back - x).max(axis=-2)  # every group on a grid is given back exactly
+    assert np.all(err[grid] <= 1e-6 * np.abs(x).max()) and np.all(err[~grid] > 1e-3)

@@ -1,13 +1,18 @@
-"""dtype="auto" on CPU (paged_jax/precision.py): bfloat16 only where this CPU's kernel has
-bfloat16 dot products and the checkpoint's passage perplexity holds within 0.5%, checked once
-per checkpoint and machine; an explicit dtype always wins."""
+"""dtype="auto" on CPU (paged_jax/precision.py): the fastest of float32, bfloat16 (where this
+CPU's kernel has bfloat16 dot products) and a 4-bit checkpoint's own codes (int8 packing)
+whose passage perplexity holds within 0.5% of float32's, checked once per checkpoint and
+machine; an explicit dtype or quantization always wins."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from paged_jax import LLM, precision
+from kernels import cpu_matmul
+from paged_jax import LLM, llm_setup, precision
 from paged_jax.models.testing import byte_tokenizer, random_params, tiny_config
+
+ALL_PATHS = cpu_matmul.PATH_BF16_DOT | cpu_matmul.PATH_INT8_ROWS
 
 
 @pytest.fixture
@@ -17,50 +22,128 @@ def cache(tmp_path, monkeypatch):
     return tmp_path
 
 
-def fake_perplexities(monkeypatch, f32: float, bf16: float) -> list:
+def fake_measures(monkeypatch, measured: dict, paths: int = ALL_PATHS) -> list:
+    """precision.measure answering `measured` per weights (perplexity, seconds), on a kernel
+    with `paths`; returns the weights measured, in order."""
     calls = []
 
-    def ppl(config, params, tokenizer, weights):
+    def measure(config, params, tokenizer, weights):
         calls.append(weights)
-        return {"float32": f32, "bfloat16": bf16}[weights]
+        return dict(measured[weights])
 
-    monkeypatch.setattr(precision, "passage_perplexity", ppl)
-    monkeypatch.setattr(precision, "bf16_dot_here", lambda: True)
+    monkeypatch.setattr(precision, "measure", measure)
+    monkeypatch.setattr(precision, "kernel_paths", lambda: paths)
     return calls
 
 
 @pytest.mark.parametrize("bf16, want", [(10.04, "bfloat16"), (10.06, "float32")])
 def test_the_quality_gate_decides_and_is_checked_once(cache, monkeypatch, bf16, want):
-    calls = fake_perplexities(monkeypatch, 10.0, bf16)
+    calls = fake_measures(monkeypatch, {
+        "float32": dict(perplexity=10.0, seconds=2.0), "bfloat16": dict(perplexity=bf16,
+                                                                        seconds=1.0),
+        "int8": dict(kept_grid=0.0)})
     c = tiny_config()
     first = precision.choose(c, None, None, "ckpt-a")
-    assert first["dtype"] == want and ("within" if want == "bfloat16" else "past") in (
-        first["reason"])
-    assert precision.choose(c, None, None, "ckpt-a") == first and len(calls) == 2  # cached
+    assert first["dtype"] == want and first["quantization"] is None
+    assert f"bfloat16: perplexity {bf16:.4f} ({'within' if want == 'bfloat16' else 'past'}" in (
+        first["reason"]) and "int8: 0% of the weights on a 4-bit grid" in first["reason"]
+    assert precision.choose(c, None, None, "ckpt-a") == first and len(calls) == 3  # cached
     precision.choose(c, None, None, "ckpt-b")  # another checkpoint: checked again
-    assert len(calls) == 4 and (cache / "precision.json").exists()
+    assert len(calls) == 6 and (cache / "precision.json").exists()
 
 
-def test_no_bfloat16_dot_products_keeps_float32(cache, monkeypatch):
-    monkeypatch.setattr(precision, "bf16_dot_here", lambda: False)
+@pytest.mark.parametrize("int8, want", [
+    (dict(kept_grid=0.9, perplexity=10.03, seconds=0.5), "int8"),  # its own codes, fastest
+    (dict(kept_grid=0.9, perplexity=10.03, seconds=1.5), "bfloat16"),  # slower than bfloat16
+    (dict(kept_grid=0.9, perplexity=10.3, seconds=0.5), "bfloat16"),  # past the quality bar
+    (dict(kept_grid=0.2), "bfloat16")])  # not a 4-bit checkpoint: not measured
+def test_the_fastest_precision_within_quality_wins(cache, monkeypatch, int8, want):
+    fake_measures(monkeypatch, {"float32": dict(perplexity=10.0, seconds=2.0),
+                                "bfloat16": dict(perplexity=10.01, seconds=1.0), "int8": int8})
     got = precision.choose(tiny_config(), None, None, "ckpt")
-    assert got["dtype"] == "float32" and "no bfloat16 dot" in got["reason"]
+    assert got["weights"] == want
+    assert (got["dtype"], got["quantization"]) == (
+        ("float32", "int8") if want == "int8" else ("bfloat16", None))
 
 
-def test_the_passage_perplexity_is_measured_on_both_paths(cache):
-    """The tiny model's real passage perplexity on both packed paths (random weights: a large
-    one): finite, and the same to within bfloat16's rounding of weights and activations."""
+def test_without_bfloat16_dot_products_int8_is_still_tried(cache, monkeypatch):
+    calls = fake_measures(monkeypatch, {"float32": dict(perplexity=10.0, seconds=2.0),
+                                        "int8": dict(kept_grid=1.0, perplexity=10.0,
+                                                     seconds=1.0)},
+                          paths=cpu_matmul.PATH_INT8_ROWS)
+    assert precision.choose(tiny_config(), None, None, "ckpt")["weights"] == "int8"
+    assert calls == ["float32", "int8"]
+
+
+def test_nothing_to_try_keeps_float32_unchecked(cache, monkeypatch):
+    calls = fake_measures(monkeypatch, {}, paths=cpu_matmul.PATH_INT8_ROWS)
+    got = precision.choose(tiny_config(), None, None, "ckpt", quantize=False)
+    assert (got["dtype"], got["quantization"]) == ("float32", None) and not calls
+    assert "no bfloat16 dot" in got["reason"]
+
+
+def test_the_passage_perplexity_is_measured_on_every_path(cache):
+    """The tiny model's real passage perplexity (random weights: a large one) on the packed
+    paths: finite and the same to within bfloat16's rounding; int8 measured only on weights
+    that lie on 4-bit grids (snapped to them here: its own codes, kept exactly), where only
+    x's int8 codes move it."""
     c = tiny_config()
     params, tok = random_params(c), byte_tokenizer()
     f32 = precision.passage_perplexity(c, params, tok, "float32")
     bf16 = precision.passage_perplexity(c, params, tok, "bfloat16")
     assert 1 < f32 < float("inf") and abs(bf16 / f32 - 1) < 0.05, (f32, bf16)
+    assert precision.measure(c, params, tok, "int8") == dict(kept_grid=0.0)  # random weights
+    snapped = precision.measure(c, snap_to_grids(params), tok, "int8")
+    assert snapped["kept_grid"] > 0.5 and snapped["seconds"] > 0
+    ref = precision.passage_perplexity(c, snap_to_grids(params), tok, "float32")
+    assert abs(snapped["perplexity"] / ref - 1) < 0.05, (snapped, ref)
+
+
+def snap_to_grids(params: dict) -> dict:
+    """Every projection's groups of 32 inputs rounded to 16 levels between their min and
+    max (as a GGUF Q4_1 tensor dequantizes): a layer's weights are [in, out], the embedding
+    and head [out, in]."""
+    import jax
+
+    def snap(w, axis):
+        g = np.moveaxis(np.asarray(w, np.float32), axis, -1)
+        g = g.reshape(*g.shape[:-1], -1, 32)
+        lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
+        step = np.where(hi > lo, (hi - lo) / 15, 1)
+        g = (np.rint((g - lo) / step) * step + lo).astype(np.float32)
+        return np.moveaxis(g.reshape(*g.shape[:-2], -1), -1, axis)
+
+    layers = {k: snap(v, -2) if v.ndim == 3 else v for k, v in params["layers"].items()}
+    return {**jax.tree.map(lambda x: x, params), "layers": layers,
+            **{k: snap(params[k], -1) for k in ("embed", "lm_head") if k in params}}
 
 
 def test_an_explicit_dtype_and_given_weights_are_not_second_guessed(monkeypatch):
-    monkeypatch.setattr(precision, "choose", lambda *a: pytest.fail("checked"))
+    monkeypatch.setattr(precision, "choose", lambda *a, **k: pytest.fail("checked"))
     c = tiny_config()
     parts = (c, random_params(c), byte_tokenizer())
     assert LLM(model_parts=parts, max_num_seqs=2).dtype_choice["dtype"] == "float32"
     llm = LLM(model_parts=parts, dtype="float32", max_num_seqs=2)
-    assert llm.dtype_choice == dict(dtype="float32", reason="asked for")
+    assert llm.dtype_choice == dict(dtype="float32", quantization=None, reason="asked for")
+    assert llm.engine_config.quantization is None
+
+
+def test_a_loaded_checkpoint_runs_the_choice_and_xla_matmuls_are_not_quantized(monkeypatch):
+    """LLM's setup asks the check for a checkpoint it loads (int8 may be chosen unless the
+    user asked for XLA's matmuls, which do not run int8) and runs what it returns."""
+    seen = []
+
+    def choose(config, params, tok, key, quantize=True):
+        seen.append(quantize)
+        return dict(dtype="float32", quantization="int8" if quantize else None,
+                    weights="int8" if quantize else "float32", reason="fake")
+
+    monkeypatch.setattr(precision, "choose", choose)
+    c = tiny_config()
+    for backend in (None, "xla"):
+        got, _ = llm_setup._choose_dtype("auto", "float32", "no-such-model", None, None, c,
+                                         random_params(c), byte_tokenizer(), backend)
+        assert got["quantization"] == (None if backend == "xla" else "int8")
+    assert seen == [True, False]
+    got, _ = llm_setup._choose_dtype("auto", "float32", "m", None, "int4", c, None, None)
+    assert got["quantization"] == "int4" and not seen[2:]  # asked for: not checked
