@@ -195,3 +195,19 @@ def test_the_cascade_narrows_what_it_keeps(pair, monkeypatch):
     kept = sorted(o.request_id for o in outs if o.model == "w")
     assert kept and sorted(r for r, *_ in narrowed) == kept
     assert all(a == [None, False] for _, *a in narrowed)  # SP asked for neither
+
+
+def test_the_informed_bounds_by_hand():
+    """experiments/routing_bounds on four questions (weak costs 1, strong 3, the probe 1):
+    q0 and q3 both right (one cell), q1 both wrong and q2 only strong right (another cell).
+    95% of the strong model's 0.75 needs q2 on it: the oracle pays 1 + 1 + 1 + 3, a cascade
+    told the answer 1 + 1 + 1 + (1 + 3); a weak-error detector cannot tell q1 from q2 (both
+    wrong; their cell ties too) and escalates both; the knob router sends the whole cell."""
+    from experiments.routing_bounds import bounds
+
+    y = np.array([[1, 1], [0, 0], [0, 1], [1, 1]], np.float32)
+    cells = np.array([[0, 1], [1, 1], [1, 1], [0, 1]])
+    got = bounds(y, cells, pol.Clock(weak=1.0, strong=3.0, probe=1.0))
+    want = {"oracle": 1 - 6 / 12, "cascade oracle": 1 - 7 / 12, "weak-error cascade":
+            1 - 10 / 12, "knob router": 1 - 8 / 12, "knob + weak-error": 1 - 8 / 12}
+    assert got == pytest.approx(want)
