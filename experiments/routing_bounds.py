@@ -24,7 +24,8 @@ policy told:
 
 The knob router and the detector are told in-sample, so they bound routers that learn those
 facts from the prompt text or the weak answer; they do not bound one that reads more of a
-question than its family and difficulty. Writes results/routing_bounds.json.
+question than its family and difficulty. Writes results/routing_bounds.json, with the last
+full run's best policy beside the bounds (results/routing.json).
 """
 
 from __future__ import annotations
@@ -67,6 +68,21 @@ def bounds(y: np.ndarray, cells: np.ndarray, clock: pol.Clock) -> dict[str, floa
                                  for d in pol.DIRECT)}
 
 
+def measured_best() -> dict | None:
+    """The last full run's best policy and what it saved at 95% on each clock (results/
+    routing.json, whose labels the bounds read), for comparison."""
+    from experiments.common import RESULTS
+
+    path = RESULTS / "routing.json"
+    if not path.exists():
+        return None
+    r = json.loads(path.read_text())
+    best = r["best_policy"]
+    saved = r["splits"]["random"]["policies"][best]["cost_saved_at_95"]
+    return dict(policy=best, commit=r["provenance"]["commit"],
+                cost_saved_at_95={c: v["cost_saved"] for c, v in saved.items()})
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--weak", default=tr.MODELS[0])
@@ -82,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     res = dict(models=dict(weak=a.weak, strong=a.strong), items=len(y), data=str(folder),
                accuracy=dict(zip(models, y.mean(0).tolist(), strict=True)),
                bounds={c: bounds(y, cells, clk) for c, clk in clocks.items()}, bar=BAR)
+    res["measured"] = measured_best()
     gpu = res["bounds"]["modeled_gpu"]
     res["reaching_the_bar_on_the_gpu_clock"] = [k for k, v in gpu.items() if v >= BAR]
     res["json"] = str(save_json("routing_bounds", res))
