@@ -41,6 +41,7 @@ from paged_jax.routing import policies as pol
 from paged_jax.routing import train as tr
 
 BAR = 0.40  # issue 59: saved at 95% on the modeled GPU clock
+FRACTION = 0.95  # of the strong model's quality
 
 
 def cell_gain(y: np.ndarray, cells: np.ndarray) -> np.ndarray:
@@ -58,9 +59,10 @@ def bounds(y: np.ndarray, cells: np.ndarray, clock: pol.Clock) -> dict[str, floa
     each question's (family, difficulty) `cells` [N, 2]."""
     gain, knob = y[:, 1] - y[:, 0], cell_gain(y, cells)
     wrong = 1.0 - y[:, 0] + 1e-3 * knob  # the detector; ties (all wrong answers) by the cell
-    saved = lambda p, s, d=0.5: pol.saved_at(p, y, s, clock, d)["cost_saved"]  # noqa: E731
+    saved = lambda p, s, d=0.5: pol.saved_at(  # noqa: E731
+        p, y, s, clock, d, FRACTION)["cost_saved"]
     return {
-        "oracle": pol.oracle_saved_at(y, clock)["cost_saved"],
+        "oracle": pol.oracle_saved_at(y, clock, FRACTION)["cost_saved"],
         "cascade oracle": saved("cascade", pol.Scores(gain, gain)),
         "weak-error cascade": saved("cascade", pol.Scores(wrong, wrong)),
         "knob router": saved("prompt", pol.Scores(knob, knob)),
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
               for c in ("modeled_gpu", "measured_cpu")}
     res = dict(models=dict(weak=a.weak, strong=a.strong), items=len(y), data=str(folder),
                accuracy=dict(zip(models, y.mean(0).tolist(), strict=True)),
+               quality_fraction=FRACTION,
                bounds={c: bounds(y, cells, clk) for c, clk in clocks.items()}, bar=BAR)
     res["measured"] = measured_best()
     gpu = res["bounds"]["modeled_gpu"]

@@ -25,6 +25,7 @@ from experiments import (
     nnx_step,
     preemption,
     routing,
+    routing_bounds,
     sampling_sharing,
     scaling,
     shared_prefix,
@@ -53,6 +54,7 @@ FULL = [
     (sliding_window_kv, dict()),
     (kv_quantization, dict(argv=[])),
     (routing, dict(argv=[])),
+    (routing_bounds, dict(argv=[])),  # reads what routing labelled
     (scaling, dict(argv=[])),
     (weight_layout, dict(argv=[])),
     (weight_quantization, dict(argv=[])),
