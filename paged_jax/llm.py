@@ -155,12 +155,10 @@ class LLM:
         kv_quant.storage_dtype(kv_cache_dtype, DTYPES[dtype])  # fails before loading
         t0 = time.perf_counter()
         (config, params, tok), model_parts, fwd = load_parts(model, model_parts, tokenizer, dtype)
-        self.dtype_choice, params = _choose_dtype(asked, dtype, model, model_parts,
-                                                  quantization, config, params, tok,
-                                                  matmul_backend)
-        quantization = self.dtype_choice["quantization"]
+        self.dtype_choice, params = _choose_dtype(asked, dtype, model, model_parts, quantization,
+                                                  config, params, tok, matmul_backend)
         self._source = None if model_parts is not None else (model, dtype)  # wake_up's reload
-        dtype = DTYPES[self.dtype_choice["dtype"]]
+        dtype, quantization = DTYPES[self.dtype_choice["dtype"]], self.dtype_choice["quantization"]
         kv_dtype = kv_quant.storage_dtype(kv_cache_dtype, dtype)
         draft = load_draft(speculative, draft_model_parts, tok, dtype)
         self.load_time = time.perf_counter() - t0
