@@ -191,9 +191,10 @@ def choose(config, params, tokenizer, key: str, quantize: bool = True) -> dict:
     chosen (not when the user set matmul_backend="xla")."""
     tried = candidates(kernel_paths(), quantize)
     if not tried:
-        return dict(dtype="float32", quantization=None,
-                    reason="no bfloat16 dot products in this CPU's kernel, and no 4-bit "
-                           "checkpoint's codes to keep")
+        return dict(dtype="float32", quantization=None, weights="float32",
+                    reason="nothing to try beside float32: no bfloat16 dot products in "
+                           "this CPU's kernel, and int8 not asked for (XLA's matmuls) or "
+                           "no kernel")
     path = cache_file()
     seen = json.loads(path.read_text()) if path.exists() else {}
     k = hashlib.sha256(f"{key}|{_machine()}|{QUALITY}|{MAX_TOKENS}|{ROWS}|{tried}".encode()

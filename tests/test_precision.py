@@ -78,7 +78,8 @@ def test_without_bfloat16_dot_products_int8_is_still_tried(cache, monkeypatch):
 def test_nothing_to_try_keeps_float32_unchecked(cache, monkeypatch):
     calls = fake_measures(monkeypatch, {}, paths=cpu_matmul.PATH_INT8_ROWS)
     got = precision.choose(tiny_config(), None, None, "ckpt", quantize=False)
-    assert (got["dtype"], got["quantization"]) == ("float32", None) and not calls
+    assert (got["dtype"], got["quantization"], got["weights"]) == ("float32", None, "float32")
+    assert not calls
     assert "no bfloat16 dot" in got["reason"]
 
 

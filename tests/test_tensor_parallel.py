@@ -156,11 +156,16 @@ def test_data_parallel_replicas_share_the_work(one_device):
 
 @pytest.mark.slow
 def test_smollm2_tp3_matches_one_device():
-    """SmolLM2-135M (9 query / 3 KV heads): TP = 3 gives one device's greedy tokens."""
+    """SmolLM2-135M (9 query / 3 KV heads): TP = 3 gives one device's greedy tokens, in
+    bfloat16. Not under LLM()'s int8 default for this file: its activations' int8 codes turn
+    the all-reduce's float reassociation into code flips, which move a logprob by hundredths
+    and swap a near-tie (CI: a 0.0015 top-two margin at the sixth token of "The capital of
+    France is"); test_quantized_weights_match_one_device holds int8 and int4 to it on the
+    tiny model's clear margins."""
     from paged_jax import LLM
 
     kw = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=128,
-              kv_cache_memory=8 << 20, static_shapes=True)
+              kv_cache_memory=8 << 20, static_shapes=True, dtype="bfloat16")
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     ps = ["The capital of France is", "def fib(n):", "Once upon a time", "2 + 2 ="]
     one = [o.outputs[0].token_ids for o in LLM(**kw).generate(ps, sp, use_tqdm=False)]
