@@ -35,8 +35,8 @@ def int8_groups(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def grid4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(scale, min) float32 [.., 16] of the 4-bit grid that best fits each group x [.., 32, 16].
-    A group whose weights are its min plus multiples of (max - min) / 15 (a GGUF Q4_0 / Q4_1
-    block, whose codes span 0..15) is on that grid: only the others are searched (`_search`),
+    A group whose weights are its min plus multiples of (max - min) / 15 (a GGUF Q4_1 block,
+    whose min and max are codes 0 and 15) is on that grid: only the others are searched (`_search`),
     which made packing a 1.5B's 4-bit tensors a pass over the weights instead of 18."""
     lo, hi = x.min(axis=-2), x.max(axis=-2)
     scale = (hi - lo) / 15

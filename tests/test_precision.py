@@ -148,3 +148,17 @@ def test_a_loaded_checkpoint_runs_the_choice_and_xla_matmuls_are_not_quantized(m
     assert seen == [True, False]
     got, _ = llm_setup._choose_dtype("auto", "float32", "m", None, "int4", c, None, None)
     assert got["quantization"] == "int4" and not seen[2:]  # asked for: not checked
+
+
+def test_llm_runs_the_quantization_the_check_chose(tmp_path, monkeypatch):
+    """LLM(path) with nothing set runs what the check returns: its engine packs int8 when the
+    choice is int8 (a choice recorded but not run would pass the tests above)."""
+    from tests.test_models_gguf import hf_weights, write_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, hf_weights(np.random.default_rng(0)))
+    monkeypatch.setattr(precision, "choose", lambda *a, **k: dict(
+        dtype="float32", quantization="int8", weights="int8", reason="fake"))
+    llm = LLM(str(path), max_num_seqs=2)
+    assert llm.engine_config.quantization == "int8"
+    assert llm.llm_engine.params["layers"][0]["w_qkv"].scales is not None
