@@ -12,8 +12,9 @@ Sides (each where installed; `make peers` builds vLLM's and llama.cpp's venvs):
   ours-bf16   paged-jax with bfloat16 weights (the float32 weights rounded: bfloat16 panels
               in the C++ kernel, float32 activations, bfloat16 K/V)
   ours-int8   paged-jax, quantization="int8" (W8A8 on CPU; a 4-bit GGUF tensor keeps its
-              codes: W4A8)
-  ours-int4   paged-jax, quantization="int4" (W4A8)
+              codes: W4A8), over the K/V pages dtype="auto" picks beside int8 (bfloat16
+              where their perplexity holds and they are faster: paged_jax/precision.py)
+  ours-int4   paged-jax, quantization="int4" (W4A8), over the same pages
   hf          transformers `generate()`, float32 and bfloat16, one static batch per run
   vllm        vLLM's CPU build (offline `LLM.generate`), float32 and bfloat16
   llamacpp    llama.cpp (llama-cpp-python) on the same GGUF, computing with its own weight
@@ -85,6 +86,7 @@ class Ours:
         runner = self.llm.llm_engine.runner
         self.settings = dict(dtype=llm_kw.get("dtype", "float32"),
                              quantization=llm_kw.get("quantization"),
+                             kv_cache_dtype=llm_kw.get("kv_cache_dtype", "auto"),
                              enable_prefix_caching=caching,
                              decode_window=self.llm.engine_config.decode_window,
                              async_scheduling=self.llm.engine_config.async_scheduling,
@@ -153,13 +155,15 @@ class Peer:
 
 
 def make_sides(names: list[str], model: str, parts, caching: bool = True,
-               hf_dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> list:
+               hf_dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+               integer_pages: str = "auto") -> list:
+    """The sides asked for that are installed here (a missing peer is reported, not fatal);
+    the prefix-caching ones only when a row caches (`caching`: each holds its own copy of the
+    model, which a 1.5B's float32 weights make 7 GB). Our integer sides run `integer_pages`
+    (their kv_cache_dtype: main passes the pages `LLM()`'s check chose beside int8)."""
     import jax
     import jax.numpy as jnp
 
-    """The sides asked for that are installed here (a missing peer is reported, not fatal);
-    the prefix-caching ones only when a row caches (`caching`: each holds its own copy of the
-    model, which a 1.5B's float32 weights make 7 GB)."""
     sides, py = [], lambda venv: ROOT / venv / "bin" / "python"
     if "ours" in names:
         sides += [Ours(parts, False)] + ([Ours(parts, True)] if caching else [])
@@ -170,7 +174,8 @@ def make_sides(names: list[str], model: str, parts, caching: bool = True,
         sides.append(Ours(bf16, False, name="paged-jax bfloat16", dtype="bfloat16"))
     for q in ("int8", "int4"):
         if f"ours-{q}" in names:
-            sides.append(Ours(parts, False, name=f"paged-jax {q}", quantization=q))
+            sides.append(Ours(parts, False, name=f"paged-jax {q}", quantization=q,
+                              kv_cache_dtype=integer_pages))
     if "hf" in names:
         pad = parts[2].eos_token_ids[0]
         sides += [HF(model, d, pad) for d in hf_dtypes]
@@ -424,15 +429,21 @@ PEER_DEFAULTS = {"vLLM": "vLLM bfloat16", "llama.cpp": "llama.cpp (GGUF weights)
                  "HF": "HF generate() float32"}  # what each runs when a user sets nothing
 
 
-def default_side(model: str, parts) -> str:
-    """The side `LLM(model)` with nothing set runs on this machine (paged_jax/precision.py:
-    the fastest of float32, bfloat16 and the checkpoint's own 4-bit codes, "int8", whose
-    quality holds)."""
+def default_choice(model: str, parts) -> dict:
+    """What `LLM(model)` with nothing set runs on this machine (paged_jax/precision.py: the
+    fastest of float32, bfloat16 and the checkpoint's own 4-bit codes, "int8", each over
+    float32 or bfloat16 pages, whose quality holds)."""
     from paged_jax import precision
     from paged_jax.models import model_path
 
     key = precision.checkpoint_key(model_path(model), model)
-    return f"paged-jax {precision.choose(parts[0], parts[1], parts[2], key)['weights']}"
+    return precision.choose(parts[0], parts[1], parts[2], key)
+
+
+def default_side(choice: dict) -> str:
+    """The side that runs `choice`: its weights' (an integer side runs the check's pages
+    for int8: make_sides)."""
+    return f"paged-jax {choice['weights']}"
 
 
 def versus(table: list[dict], ours_default: str) -> list[dict]:
@@ -576,8 +587,10 @@ def main(argv: list[str] | None = None) -> dict:
         if f"ours-{q}" in a.sides:
             lim[q] = limits(parts, rows, work, q)
     gc.collect()
+    choice = default_choice(a.model, parts)
     sides = make_sides(a.sides, a.model, parts, any(c for *_, c in rows.values()),
-                       tuple(a.hf_dtypes))
+                       tuple(a.hf_dtypes), integer_pages=choice["kv_cache_dtype"]
+                       if choice["weights"] == "int8" else "auto")
     try:
         m = measure(sides, rows, parts[2], a.rounds)
     finally:
@@ -588,13 +601,14 @@ def main(argv: list[str] | None = None) -> dict:
     extra = {k: v for s in sides for k, v in s.versions.items()}
     from paged_jax import precision
 
-    default, dot = default_side(a.model, parts), precision.bf16_dot_here()
+    default, dot = default_side(choice), precision.bf16_dot_here()
     payload = dict(config=dict(model=a.model, rounds=a.rounds, rows={r: dict(
         batch=n, tokens=t, prefix_caching=c) for r, (n, t, c) in rows.items()},
         limits=LIMITS, greedy=True, ignore_eos=True, bf16_dot=dot),
         sides={s.name: s.settings for s in sides}, limits=lim["float32"], limits_by_precision=lim,
         rows=table, memory=(memory := memory_check(m)),
-        default=default, versus=versus(table, default),
+        default=default, default_choice={k: choice[k] for k in ("side", "kv_cache_dtype")},
+        versus=versus(table, default),
         targets=targets(a.model, table, default, dot, memory["starved"]))
     name = a.name or ("bench" + ("" if a.model == "smollm2" else f"_{a.model}")
                       + ("_quick" if a.quick else ""))

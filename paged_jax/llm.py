@@ -37,6 +37,7 @@ from paged_jax.llm_setup import (  # noqa: F401 (kv_groups_for, as_requests: re-
     per_prompt,
     positive,
     resolve_dtype,
+    what_runs,
 )
 from paged_jax.lora.config import LoRAConfig
 from paged_jax.lora.request import LoRARequest
@@ -149,16 +150,16 @@ class LLM:
                  tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size)
         speculative = SpeculativeConfig.of(speculative_config)  # fails before loading
         lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
-        decode_window, async_scheduling = scheduling(decode_window, async_scheduling,
-                                                     speculative)
+        decode_window, async_scheduling = scheduling(decode_window, async_scheduling, speculative)
         asked, dtype = dtype, resolve_dtype(dtype)
         kv_quant.storage_dtype(kv_cache_dtype, DTYPES[dtype])  # fails before loading
         t0 = time.perf_counter()
         (config, params, tok), model_parts, fwd = load_parts(model, model_parts, tokenizer, dtype)
         self.dtype_choice, params = _choose_dtype(asked, dtype, model, model_parts, quantization,
-                                                  config, params, tok, matmul_backend)
+                                                  config, params, tok, matmul_backend,
+                                                  kv_cache_dtype)
         self._source = None if model_parts is not None else (model, dtype)  # wake_up's reload
-        dtype, quantization = DTYPES[self.dtype_choice["dtype"]], self.dtype_choice["quantization"]
+        dtype, quantization, kv_cache_dtype = what_runs(self.dtype_choice)
         kv_dtype = kv_quant.storage_dtype(kv_cache_dtype, dtype)
         draft = load_draft(speculative, draft_model_parts, tok, dtype)
         self.load_time = time.perf_counter() - t0

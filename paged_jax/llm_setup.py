@@ -50,16 +50,20 @@ def model_len(asked: int | None, config) -> int:
 
 
 def _choose_dtype(asked: str, dtype: str, model: str, model_parts, quantization, config,
-                  params, tok, matmul_backend: str | None = None) -> tuple[dict, dict]:
-    """What runs and why (LLM.dtype_choice: dtype and quantization), and the params in it:
-    the precision check for "auto" on CPU when LLM loads the checkpoint itself
-    (paged_jax/precision.py), else the dtype as resolved and the quantization as asked."""
+                  params, tok, matmul_backend: str | None = None,
+                  kv_cache_dtype: str = "auto") -> tuple[dict, dict]:
+    """What runs and why (LLM.dtype_choice: dtype, quantization and
+    kv_cache_dtype), and the params in it: the precision check for "auto" on CPU when
+    LLM loads the checkpoint itself (paged_jax/precision.py), else the dtype as resolved and
+    the quantization and pages as asked; a kv_cache_dtype set wins over the check's."""
     if asked != "auto":
-        return dict(dtype=dtype, quantization=quantization, reason="asked for"), params
+        return dict(dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                    reason="asked for"), params
     if model_parts is not None or quantization or jax.default_backend() != "cpu":
-        return dict(dtype=dtype, quantization=quantization, reason="the platform's default" + (
-            " (weights given or quantized: no precision check)" if model_parts or
-            quantization else "")), params
+        return dict(dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                    reason="the platform's default" + (
+                        " (weights given or quantized: no precision check)" if model_parts or
+                        quantization else "")), params
     from paged_jax import precision
     from paged_jax.models.loader import model_path
 
@@ -71,7 +75,14 @@ def _choose_dtype(asked: str, dtype: str, model: str, model_parts, quantization,
                               quantize=matmul_backend != "xla")
     if choice["dtype"] != dtype:
         params = jax.tree.map(lambda x: x.astype(DTYPES[choice["dtype"]]), params)
+    if kv_cache_dtype != "auto":
+        choice = {**choice, "kv_cache_dtype": kv_cache_dtype}
     return choice, params
+
+
+def what_runs(choice: dict) -> tuple:
+    """A dtype_choice's (dtype as a jnp dtype, quantization, kv_cache_dtype)."""
+    return DTYPES[choice["dtype"]], choice["quantization"], choice["kv_cache_dtype"]
 
 
 def own_tokenizer(path: str, config) -> Tokenizer:

@@ -161,6 +161,11 @@ def test_bench_puts_every_side_on_the_same_rows():
     mem = data["memory"]  # the least memory left free after a run, against the floor
     assert mem["min_available_mib"] > 0 and mem["starved"] == (mem["min_available_mib"] < 1024)
     assert data["provenance"]["cpu"] and data["provenance"]["versions"]["jax"]
+    # the integer sides run the pages LLM()'s check chose beside int8 (the default side
+    # then is exactly what LLM() runs)
+    assert data["sides"]["paged-jax int4"]["kv_cache_dtype"] == (
+        data["default_choice"]["kv_cache_dtype"] if data["default"] == "paged-jax int8"
+        else "auto")
 
 
 def test_bench_flags_a_run_that_left_the_machine_without_free_memory(capsys):

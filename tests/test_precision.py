@@ -5,6 +5,7 @@ machine; an explicit dtype or quantization always wins."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -23,13 +24,15 @@ def cache(tmp_path, monkeypatch):
 
 
 def fake_measures(monkeypatch, measured: dict, paths: int = ALL_PATHS) -> list:
-    """precision.measure answering `measured` per weights (perplexity, seconds), on a kernel
-    with `paths`; returns the weights measured, in order."""
+    """precision.measure answering `measured` per side name (perplexity, seconds; a side not
+    named is past the quality bar), on a kernel with `paths`; returns the (weights, pages)
+    measured, in order."""
     calls = []
 
-    def measure(config, params, tokenizer, weights):
-        calls.append(weights)
-        return dict(measured[weights])
+    def measure(config, params, tokenizer, weights, pages):
+        calls.append((weights, tuple(pages)))
+        return {precision.side(weights, p): dict(measured.get(
+            precision.side(weights, p), dict(perplexity=1e9, seconds=0.1))) for p in pages}
 
     monkeypatch.setattr(precision, "measure", measure)
     monkeypatch.setattr(precision, "kernel_paths", lambda: paths)
@@ -41,10 +44,11 @@ def test_the_quality_gate_decides_and_is_checked_once(cache, monkeypatch, bf16, 
     calls = fake_measures(monkeypatch, {
         "float32": dict(perplexity=10.0, seconds=2.0), "bfloat16": dict(perplexity=bf16,
                                                                         seconds=1.0),
-        "int8": dict(kept_grid=0.0)})
+        "int8": dict(kept_grid=0.0), "int8, bfloat16 pages": dict(kept_grid=0.0)})
     c = tiny_config()
     first = precision.choose(c, None, None, "ckpt-a")
     assert first["dtype"] == want and first["quantization"] is None
+    assert first["kv_cache_dtype"] == "auto"
     assert f"bfloat16: perplexity {bf16:.4f} ({'within' if want == 'bfloat16' else 'past'}" in (
         first["reason"]) and "int8: 0% of the weights on a 4-bit grid" in first["reason"]
     assert precision.choose(c, None, None, "ckpt-a") == first and len(calls) == 3  # cached
@@ -52,52 +56,73 @@ def test_the_quality_gate_decides_and_is_checked_once(cache, monkeypatch, bf16, 
     assert len(calls) == 6 and (cache / "precision.json").exists()
 
 
-@pytest.mark.parametrize("int8, want", [
-    (dict(kept_grid=0.9, perplexity=10.03, seconds=0.5), "int8"),  # its own codes, fastest
-    (dict(kept_grid=0.9, perplexity=10.03, seconds=1.5), "bfloat16"),  # slower than bfloat16
-    (dict(kept_grid=0.9, perplexity=10.3, seconds=0.5), "bfloat16"),  # past the quality bar
-    (dict(kept_grid=0.2), "bfloat16")])  # not a 4-bit checkpoint: not measured
-def test_the_fastest_precision_within_quality_wins(cache, monkeypatch, int8, want):
-    fake_measures(monkeypatch, {"float32": dict(perplexity=10.0, seconds=2.0),
-                                "bfloat16": dict(perplexity=10.01, seconds=1.0), "int8": int8})
+F32, BF16 = dict(perplexity=10.0, seconds=2.0), dict(perplexity=10.01, seconds=1.0)
+
+
+@pytest.mark.parametrize("int8, int8_bf16_pages, want", [
+    (dict(kept_grid=0.9, perplexity=10.03, seconds=0.5), None, "int8"),  # own codes, fastest
+    (dict(kept_grid=0.9, perplexity=10.03, seconds=1.5), None, "bfloat16"),  # slower
+    (dict(kept_grid=0.9, perplexity=10.3, seconds=0.5), None, "bfloat16"),  # past the bar
+    (dict(kept_grid=0.2), dict(kept_grid=0.2), "bfloat16"),  # not a 4-bit checkpoint
+    (dict(kept_grid=0.9, perplexity=10.03, seconds=0.5),  # bfloat16 pages faster still
+     dict(kept_grid=0.9, perplexity=10.04, seconds=0.4), "int8, bfloat16 pages"),
+    (dict(kept_grid=0.9, perplexity=10.03, seconds=0.5),  # ... but past the bar
+     dict(kept_grid=0.9, perplexity=10.06, seconds=0.4), "int8")])
+def test_the_fastest_side_within_quality_wins(cache, monkeypatch, int8, int8_bf16_pages, want):
+    fake_measures(monkeypatch, {"float32": F32, "bfloat16": BF16, "int8": int8,
+                                "int8, bfloat16 pages": int8_bf16_pages or dict(
+                                    kept_grid=0.9, perplexity=10.0, seconds=9.0)})
     got = precision.choose(tiny_config(), None, None, "ckpt")
-    assert got["weights"] == want
-    assert (got["dtype"], got["quantization"]) == (
-        ("float32", "int8") if want == "int8" else ("bfloat16", None))
+    assert got["side"] == want
+    assert (got["dtype"], got["quantization"], got["kv_cache_dtype"]) == {
+        "int8": ("float32", "int8", "auto"), "bfloat16": ("bfloat16", None, "auto"),
+        "int8, bfloat16 pages": ("float32", "int8", "bfloat16")}[want]
+
+
+def test_float32_weights_over_bfloat16_pages_are_a_side(cache, monkeypatch):
+    calls = fake_measures(monkeypatch, {"float32": F32, "float32, bfloat16 pages": dict(
+        perplexity=10.02, seconds=1.8)}, paths=cpu_matmul.PATH_INT8_ROWS)
+    got = precision.choose(tiny_config(), None, None, "ckpt", quantize=False)
+    assert calls == [("float32", ("float32", "bfloat16"))]
+    assert (got["weights"], got["kv_cache_dtype"], got["dtype"]) == (
+        "float32", "bfloat16", "float32")
 
 
 def test_without_bfloat16_dot_products_int8_is_still_tried(cache, monkeypatch):
-    calls = fake_measures(monkeypatch, {"float32": dict(perplexity=10.0, seconds=2.0),
-                                        "int8": dict(kept_grid=1.0, perplexity=10.0,
-                                                     seconds=1.0)},
-                          paths=cpu_matmul.PATH_INT8_ROWS)
+    calls = fake_measures(monkeypatch, {"float32": F32, "int8": dict(
+        kept_grid=1.0, perplexity=10.0, seconds=1.0)}, paths=cpu_matmul.PATH_INT8_ROWS)
     assert precision.choose(tiny_config(), None, None, "ckpt")["weights"] == "int8"
-    assert calls == ["float32", "int8"]
+    assert calls == [("float32", ("float32", "bfloat16")), ("int8", ("float32", "bfloat16"))]
 
 
 def test_nothing_to_try_keeps_float32_unchecked(cache, monkeypatch):
-    calls = fake_measures(monkeypatch, {}, paths=cpu_matmul.PATH_INT8_ROWS)
-    got = precision.choose(tiny_config(), None, None, "ckpt", quantize=False)
-    assert (got["dtype"], got["quantization"], got["weights"]) == ("float32", None, "float32")
+    calls = fake_measures(monkeypatch, {}, paths=0)
+    got = precision.choose(tiny_config(), None, None, "ckpt")
+    assert (got["dtype"], got["quantization"], got["weights"], got["kv_cache_dtype"]) == (
+        "float32", None, "float32", "auto")
     assert not calls
-    assert "no bfloat16 dot" in got["reason"]
+    assert "do not run here" in got["reason"]
 
 
 def test_the_passage_perplexity_is_measured_on_every_path(cache):
     """The tiny model's real passage perplexity (random weights: a large one) on the packed
-    paths: finite and the same to within bfloat16's rounding; int8 measured only on weights
-    that lie on 4-bit grids (snapped to them here: its own codes, kept exactly), where only
-    x's int8 codes move it."""
+    paths and both pages: finite and the same to within bfloat16's rounding; int8 measured
+    only on weights that lie on 4-bit grids (snapped to them here: its own codes, kept
+    exactly), where only x's int8 codes move it; each side's step timed at every row count."""
     c = tiny_config()
     params, tok = random_params(c), byte_tokenizer()
     f32 = precision.passage_perplexity(c, params, tok, "float32")
-    bf16 = precision.passage_perplexity(c, params, tok, "bfloat16")
-    assert 1 < f32 < float("inf") and abs(bf16 / f32 - 1) < 0.05, (f32, bf16)
-    assert precision.measure(c, params, tok, "int8") == dict(kept_grid=0.0)  # random weights
-    snapped = precision.measure(c, snap_to_grids(params), tok, "int8")
-    assert snapped["kept_grid"] > 0.5 and snapped["seconds"] > 0
+    for weights, pages in (("bfloat16", None), ("float32", "bfloat16")):
+        got = precision.passage_perplexity(c, params, tok, weights, pages=pages)
+        assert 1 < f32 < float("inf") and abs(got / f32 - 1) < 0.05, (f32, got, weights)
+    assert precision.measure(c, params, tok, "int8", ["float32"]) == {
+        "int8": dict(kept_grid=0.0)}  # random weights
+    snapped = precision.measure(c, snap_to_grids(params), tok, "int8", ["float32", "bfloat16"])
     ref = precision.passage_perplexity(c, snap_to_grids(params), tok, "float32")
-    assert abs(snapped["perplexity"] / ref - 1) < 0.05, (snapped, ref)
+    for m in (snapped["int8"], snapped["int8, bfloat16 pages"]):
+        assert m["kept_grid"] > 0.5 and m["seconds"] > 0
+        assert len(m["matmuls"]) == len(m["attention"]) == len(precision.ROWS)
+        assert abs(m["perplexity"] / ref - 1) < 0.05, (snapped, ref)
 
 
 def snap_to_grids(params: dict) -> dict:
@@ -125,7 +150,8 @@ def test_an_explicit_dtype_and_given_weights_are_not_second_guessed(monkeypatch)
     parts = (c, random_params(c), byte_tokenizer())
     assert LLM(model_parts=parts, max_num_seqs=2).dtype_choice["dtype"] == "float32"
     llm = LLM(model_parts=parts, dtype="float32", max_num_seqs=2)
-    assert llm.dtype_choice == dict(dtype="float32", quantization=None, reason="asked for")
+    assert llm.dtype_choice == dict(dtype="float32", quantization=None, kv_cache_dtype="auto",
+                                    reason="asked for")
     assert llm.engine_config.quantization is None
 
 
@@ -137,7 +163,8 @@ def test_a_loaded_checkpoint_runs_the_choice_and_xla_matmuls_are_not_quantized(m
     def choose(config, params, tok, key, quantize=True):
         seen.append(quantize)
         return dict(dtype="float32", quantization="int8" if quantize else None,
-                    weights="int8" if quantize else "float32", reason="fake")
+                    weights="int8" if quantize else "float32", kv_cache_dtype="bfloat16",
+                    reason="fake")
 
     monkeypatch.setattr(precision, "choose", choose)
     c = tiny_config()
@@ -145,20 +172,29 @@ def test_a_loaded_checkpoint_runs_the_choice_and_xla_matmuls_are_not_quantized(m
         got, _ = llm_setup._choose_dtype("auto", "float32", "no-such-model", None, None, c,
                                          random_params(c), byte_tokenizer(), backend)
         assert got["quantization"] == (None if backend == "xla" else "int8")
+        assert got["kv_cache_dtype"] == "bfloat16"
     assert seen == [True, False]
+    got, _ = llm_setup._choose_dtype("auto", "float32", "no-such-model", None, None, c,
+                                     random_params(c), byte_tokenizer(), None, "float32")
+    assert got["kv_cache_dtype"] == "float32"  # set: wins over the check's pages
     got, _ = llm_setup._choose_dtype("auto", "float32", "m", None, "int4", c, None, None)
-    assert got["quantization"] == "int4" and not seen[2:]  # asked for: not checked
+    assert got["quantization"] == "int4" and not seen[3:]  # asked for: not checked
 
 
-def test_llm_runs_the_quantization_the_check_chose(tmp_path, monkeypatch):
-    """LLM(path) with nothing set runs what the check returns: its engine packs int8 when the
-    choice is int8 (a choice recorded but not run would pass the tests above)."""
+def test_llm_runs_the_quantization_and_pages_the_check_chose(tmp_path, monkeypatch):
+    """LLM(path) with nothing set runs what the check returns: its engine packs int8 and
+    keeps bfloat16 pages when that is the choice (a choice recorded but not run would pass
+    the tests above); a kv_cache_dtype set wins over the check's pages."""
     from tests.test_models_gguf import hf_weights, write_gguf
 
     path = tmp_path / "tiny.gguf"
     write_gguf(path, hf_weights(np.random.default_rng(0)))
     monkeypatch.setattr(precision, "choose", lambda *a, **k: dict(
-        dtype="float32", quantization="int8", weights="int8", reason="fake"))
+        dtype="float32", quantization="int8", weights="int8", kv_cache_dtype="bfloat16",
+        reason="fake"))
     llm = LLM(str(path), max_num_seqs=2)
     assert llm.engine_config.quantization == "int8"
     assert llm.llm_engine.params["layers"][0]["w_qkv"].scales is not None
+    assert llm.llm_engine.runner.state.cache.k[0].dtype == jnp.uint16  # bfloat16 bits
+    set_ = LLM(str(path), max_num_seqs=2, kv_cache_dtype="float32")
+    assert set_.llm_engine.runner.state.cache.k[0].dtype == jnp.float32
