@@ -157,6 +157,8 @@ def test_bench_puts_every_side_on_the_same_rows():
         want = {"paged-jax float32": "float32", "paged-jax int4": "int4"}.get(e["side"])
         assert want is None or e["limit_precision"] == want
     one = {w: lim["batch 1"]["bytes_per_token"] for w, lim in data["limits_by_precision"].items()}
+    for lim in data["limits"].values():  # measured before and after the rounds: the higher
+        assert lim["tok_s"] == max(lim["measured_tok_s"]) and len(lim["measured_tok_s"]) == 2
     assert one["int4"] < one["float32"] / 4
     mem = data["memory"]  # the least memory left free after a run, against the floor
     assert mem["min_available_mib"] > 0 and mem["starved"] == (mem["min_available_mib"] < 1024)
@@ -166,6 +168,15 @@ def test_bench_puts_every_side_on_the_same_rows():
     assert data["sides"]["paged-jax int4"]["kv_cache_dtype"] == (
         data["default_choice"]["kv_cache_dtype"] if data["default"] == "paged-jax int8"
         else "auto")
+
+
+def test_a_limit_measured_slow_is_not_the_one_judged():
+    before = {"batch 16": dict(kind="matmul chain", tok_s=304.0, step_ms=52.6)}
+    after = {"batch 16": dict(kind="matmul chain", tok_s=515.0, step_ms=31.1)}
+    got = bench.higher(before, after)["batch 16"]
+    assert got["tok_s"] == 515.0 and got["step_ms"] == 31.1
+    assert got["measured_tok_s"] == [304.0, 515.0]
+    assert bench.higher(after, before)["batch 16"]["measured_tok_s"] == [515.0, 304.0]
 
 
 def test_bench_flags_a_run_that_left_the_machine_without_free_memory(capsys):
