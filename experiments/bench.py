@@ -21,7 +21,8 @@ Sides (each where installed; `make peers` builds vLLM's and llama.cpp's venvs):
               types; every prompt of a run is a parallel sequence of one context
 
 Rows (chat prompts through the model's template, greedy, exactly T tokens each, EOS ignored):
-  batch 1     1 prompt x 64 tokens        limit: bandwidth roofline (weights + K/V per token)
+  batch 1     1 prompt x 64 tokens        limit: bandwidth roofline (weights + K/V per token;
+                                          llama.cpp's: its GGUF file's own bytes)
   batch 16    16 prompts x 64 tokens      limit: the model's matmul chain at batch 16 (the
                                           faster of XLA's dot and the C++ kernel)
   batch 64    64 prompts x 64 tokens      limit: the matmul chain at batch 64
@@ -273,12 +274,13 @@ def _workload(tok, n: int, caching: bool) -> list[list[int]]:
     return prompt_ids(tok, n, SYSTEM if caching else None)
 
 
-def limits(parts, rows: dict, work: dict, dtype: str = "float32") -> dict:
+def limits(parts, rows: dict, work: dict, dtype: str = "float32", model: str = "") -> dict:
     """Each row's machine limit in tok/s for `dtype` weights: the bandwidth roofline for
     batch 1, else the model's matmul chain at the row's batch, on the faster of XLA's dot and
     the C++ kernel (where it runs `dtype`). `parts` holds the float32 model; other precisions
     are cast from it (the values do not change a matmul's time), or for "int8" / "int4"
-    packed as those codes (the roofline then counts the codes' bytes, scales included)."""
+    packed as those codes (the roofline then counts the codes' bytes, scales included).
+    "gguf": llama.cpp's own batch-1 roofline, `model`'s file's bytes (`gguf_roofline`)."""
     from paged_jax.study.metrics import (
         kv_bytes_per_token,
         measure_bandwidth,
@@ -287,6 +289,8 @@ def limits(parts, rows: dict, work: dict, dtype: str = "float32") -> dict:
 
     config, params = parts[0], parts[1]
     bw = measure_bandwidth()
+    if dtype == "gguf":
+        return gguf_roofline(model, config, rows, work, bw)
     quant = dtype in QUANTIZED  # int8 / int4 codes: float32 compute and pages
     item = 1.0 if quant else np.dtype(dtype).itemsize / params["embed"].dtype.itemsize
     batches = sorted({n for n, *_ in rows.values() if n > 1})
@@ -310,6 +314,25 @@ def limits(parts, rows: dict, work: dict, dtype: str = "float32") -> dict:
             step = min(steps[n].values())
             out[r] = dict(kind="matmul chain", tok_s=n / step, step_ms=1e3 * step,
                           step_ms_by_matmul={k: 1e3 * v for k, v in steps[n].items()})
+    return out
+
+
+def gguf_roofline(model: str, config, rows: dict, work: dict, bw: float) -> dict:
+    """llama.cpp's batch-1 roofline from its own bytes: every matrix of the GGUF file in its
+    type (a Q4_K_M file keeps its output matrix and some down / value projections in Q6_K,
+    where our int8 packing of them reads a byte and more per weight) and a float16 K/V cache
+    (its default)."""
+    from paged_jax.models import model_path
+    from paged_jax.study.metrics import gguf_streamed_bytes, kv_bytes_per_token
+
+    weights = gguf_streamed_bytes(model_path(model))
+    out = {}
+    for r, (n, tokens, _) in rows.items():
+        if n == 1:
+            per_token = weights + (len(work[r][0]) + tokens / 2) * kv_bytes_per_token(
+                config, np.float16)
+            out[r] = dict(kind="bandwidth roofline", tok_s=bw / per_token, bytes_per_s=bw,
+                          bytes_per_token=per_token)
     return out
 
 
@@ -416,6 +439,7 @@ def summarize(sides: list, rows: dict, m: dict, lims: dict) -> list[dict]:
                 continue
             tps = [n * tokens / x["seconds"] for x in m["runs"][r][s.name]]
             own = next((w for w in lims if s.name.startswith("paged-jax") and w in s.name), None)
+            own = "gguf" if s.name.startswith("llama.cpp") and r in lims.get("gguf", {}) else own
             precision = own or ("bfloat16" if "bfloat16" in s.name and "bfloat16" in lims
                                 else "float32")
             lim = lims[precision]
@@ -595,7 +619,8 @@ def main(argv: list[str] | None = None) -> dict:
     weights = ["float32"] + ["bfloat16"] * ("ours-bf16" in a.sides or "vllm" in a.sides or (
         "hf" in a.sides and "bfloat16" in a.hf_dtypes)) + [q for q in QUANTIZED
                                                           if f"ours-{q}" in a.sides]
-    lim = {w: limits(parts, rows, work, w) for w in weights}  # each side's own precision's
+    weights += ["gguf"] * ("llamacpp" in a.sides and any(n == 1 for n, *_ in rows.values()))
+    lim = {w: limits(parts, rows, work, w, a.model) for w in weights}  # each side's own
     gc.collect()
     choice = default_choice(a.model, parts)
     sides = make_sides(a.sides, a.model, parts, any(c for *_, c in rows.values()),
@@ -607,7 +632,7 @@ def main(argv: list[str] | None = None) -> dict:
         for s in sides:
             s.close()
         gc.collect()
-    lim = {w: higher(lim[w], limits(parts, rows, work, w)) for w in weights}
+    lim = {w: higher(lim[w], limits(parts, rows, work, w, a.model)) for w in weights}
     table = summarize(sides, rows, m, lim)
     extra = {k: v for s in sides for k, v in s.versions.items()}
     from paged_jax import precision

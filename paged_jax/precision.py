@@ -168,7 +168,8 @@ def matmul_times(laid, rows: tuple[int, ...] = ROWS) -> list[float]:
     each of `rows` rows, best of 5, in seconds: what the precision's weights cost a step."""
     from kernels import cpu_matmul
 
-    ws = packed_weights(laid)
+    untied = "lm_head" in laid  # then the embedding table is only read a row per token
+    ws = packed_weights({k: v for k, v in laid.items() if not (untied and k == "embed")})
     f = jax.jit(lambda ws, xs: [cpu_matmul.matmul(x, w) for x, w in zip(xs, ws, strict=True)])
     return [best_of(f, (ws, [jnp.full((r, w.panels.shape[1]), 0.01, jnp.float32) for w in ws]))
             for r in rows]

@@ -116,3 +116,17 @@ def test_sentencepiece_gguf_tokenizer_gets_a_clear_error():
 
     with pytest.raises(ValueError, match="SentencePiece.*Hugging Face folder"):
         tokenizer_from_gguf({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
+
+
+def test_gguf_streamed_bytes_count_each_matrix_in_its_own_type(tiny_gguf):
+    """llama.cpp's batch-1 roofline (make bench) reads every matrix in its file's type; this
+    file has no output matrix, so its embedding table is the head and is counted whole."""
+    from paged_jax.study.metrics import gguf_streamed_bytes
+
+    path, w = tiny_gguf
+    want = w["embed"].nbytes + sum(
+        gguf.quants.quantize(w[f"{i}.{base}"], TYPES[base]).nbytes
+        for i in range(LAYERS) for base in NAMES)
+    assert gguf_streamed_bytes(path) == want
+    assert want < sum(w[f"{i}.{b}"].nbytes for i in range(LAYERS) for b in NAMES) + w[
+        "embed"].nbytes  # the 4- and 8-bit types read fewer bytes than float32 would

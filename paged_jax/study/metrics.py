@@ -131,6 +131,17 @@ def streamed_weight_bytes(params) -> int:
     return weight_bytes(params) - (weight_bytes(params["embed"]) if untied else 0)
 
 
+def gguf_streamed_bytes(path) -> int:
+    """The weight bytes a decode step of llama.cpp reads from a GGUF file: every matrix in
+    its own type (Q4_K, Q6_K, ...), less the embedding table when an output matrix is there
+    (a token reads one row of it; without one it is the LM head, read whole)."""
+    import gguf
+
+    tensors = [t for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) >= 2]
+    tied = not any(t.name == "output.weight" for t in tensors)
+    return sum(int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight")
+
+
 def kv_bytes_per_token(model_config, dtype) -> int:
     """K and V bytes of one token over all layers."""
     item = np.dtype(dtype).itemsize
