@@ -99,6 +99,11 @@ def _texts(source: Path) -> list[str]:
                      if (source.parent / h).exists()]
 
 
+def compiler() -> str | None:
+    """The C++ compiler the kernels build with ($CXX, else g++ or c++ on the PATH), or None."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
 def build(source: Path, folder: Path, what: str, flags: tuple[str, ...]) -> Path:
     """Compiles `source` into `folder` unless already built; returns the library's path.
 
@@ -109,7 +114,7 @@ def build(source: Path, folder: Path, what: str, flags: tuple[str, ...]) -> Path
     out = library_path(source, folder, flags)
     if out.is_file():
         return out
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    cxx = compiler()
     if cxx is None:
         raise RuntimeError(f"no C++ compiler (g++) found to build the {what}")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -196,10 +196,9 @@ struct Problem {
   const void* mins;    // int4 only: float16 bits [P, K / group, 16] (two-level: int8 codes)
   const uint16_t* supers;  // two-level int4 only: float16 units [P, K / (32 S), 2, 16]
   int64_t per_super;       // S
-  bool quantize_x;         // the weights ask for x quantized (int4, W4A8)
+  bool quantize_x;         // x is quantized (int4 always: W4A8; int8 where asked: W8A8)
   const QuantRows* xq;   // x quantized when asked (without kIntegerRow pb.x then points at
                          // its dequantized rows)
-  const float* xsum;     // weight-only int4, one row: x's sum per group of 32
   int64_t group;
   float* y;
   int64_t panels_per_task, panel_tasks;
@@ -317,15 +316,12 @@ int64_t rows_int4_512(const Problem& pb, int64_t p, int64_t p1, int64_t cols, in
 #endif
 }
 
-// Row 0 of x (float) against int8 / int4 panel p, the codes widened in registers.
+// Row 0 of x (float) against int8 panel p (weight-only: K not a multiple of 32), the codes
+// widened in registers.
 void row_float(const Problem& pb, int64_t p, int64_t cols) {
-  if (pb.mins == nullptr)
-    micro_row_w8(pb.x, pb.K, static_cast<const int8_t*>(pb.panels) + p * pb.K * kNR,
-                 static_cast<const uint16_t*>(pb.scales) + p * (pb.K / pb.group) * kNR,
-                 pb.group, pb.y + p * kNR, cols);
-  else
-    micro_row_w4(pb.x, pb.xsum, pb.K, static_cast<const uint8_t*>(pb.panels) + p * pb.K * 8,
-                 pb.int4(p), pb.y + p * kNR, cols);
+  micro_row_w8(pb.x, pb.K, static_cast<const int8_t*>(pb.panels) + p * pb.K * kNR,
+               static_cast<const uint16_t*>(pb.scales) + p * (pb.K / pb.group) * kNR, pb.group,
+               pb.y + p * kNR, cols);
 }
 
 // Task t: rows [MC * (t / panel_tasks), ...) of x against a run of panels.
@@ -407,7 +403,6 @@ void run(ffi::ThreadPool& pool, Problem pb) {
     std::atomic<int64_t> next{0}, done{0};
     Problem pb;
     QuantRows xq;
-    std::vector<float> xsum;
     std::vector<uint32_t> xb;
     std::vector<float> xr;
   };
@@ -427,10 +422,6 @@ void run(ffi::ThreadPool& pool, Problem pb) {
     pb.xq = &shared->xq;
     if (!integer) pb.x = shared->xq.dequant.data();
     if (!integer && pb.mins == nullptr) pb.xq = nullptr;  // int8: the float paths on x's values
-  } else if (pb.mins != nullptr && pb.M == 1) {
-    shared->xsum.assign(pb.K / kGX, 0.f);
-    for (int64_t k = 0; k < pb.K; ++k) shared->xsum[k / kGX] += pb.x[k];
-    pb.xsum = shared->xsum.data();
   }
   shared->pb = pb;
   auto worker = [shared, tasks]() {
@@ -458,7 +449,7 @@ bool problem(ffi::Buffer<ffi::F32>& x, const void* panels, ffi::Span<const int64
       yd[0] != xd[0] || yd[1] > pd[0] * kNR || yd[1] <= (pd[0] - 1) * kNR)
     return false;
   pb = Problem{xd[0], xd[1], yd[1], pd[0], x.typed_data(), panels, nullptr, nullptr, nullptr,
-               1, false, nullptr, nullptr, 1, y->typed_data(), 0, 0};
+               1, false, nullptr, 1, y->typed_data(), 0, 0};
   return true;
 }
 
@@ -527,13 +518,12 @@ ffi::Error int4_problem(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& panels,
 
 ffi::Error packed_matmul_int4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                               ffi::Buffer<ffi::U8> panels, ffi::Buffer<ffi::F16> scales,
-                              ffi::Buffer<ffi::F16> mins, ffi::ResultBuffer<ffi::F32> y,
-                              int32_t quantize_x) {
+                              ffi::Buffer<ffi::F16> mins, ffi::ResultBuffer<ffi::F32> y) {
   Problem pb;
   ffi::Error err = int4_problem(x, panels, scales.dimensions(), mins.dimensions(), y, pb);
   if (err.failure()) return err;
   pb.scales = scales.untyped_data(), pb.mins = mins.untyped_data();
-  pb.quantize_x = quantize_x != 0;
+  pb.quantize_x = true;  // W4A8 always
   run(pool, pb);
   return ffi::Error::Success();
 }
@@ -542,7 +532,7 @@ ffi::Error packed_matmul_int4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 ffi::Error packed_matmul_int4_coded(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                     ffi::Buffer<ffi::U8> panels, ffi::Buffer<ffi::U8> scales,
                                     ffi::Buffer<ffi::S8> mins, ffi::Buffer<ffi::F16> supers,
-                                    ffi::ResultBuffer<ffi::F32> y, int32_t quantize_x) {
+                                    ffi::ResultBuffer<ffi::F32> y) {
   Problem pb;
   ffi::Error err = int4_problem(x, panels, scales.dimensions(), mins.dimensions(), y, pb);
   if (err.failure()) return err;
@@ -553,7 +543,7 @@ ffi::Error packed_matmul_int4_coded(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
         "packed int4 matmul: supers must be [P, K / (32 S), 2, 16]");
   pb.scales = scales.untyped_data(), pb.mins = mins.untyped_data();
   pb.supers = static_cast<const uint16_t*>(supers.untyped_data());
-  pb.per_super = pb.K / kGX / ud[1], pb.quantize_x = quantize_x != 0;
+  pb.per_super = pb.K / kGX / ud[1], pb.quantize_x = true;  // W4A8 always
   run(pool, pb);
   return ffi::Error::Success();
 }
@@ -649,8 +639,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulInt4, packed_matmul_int4,
                                   .Arg<ffi::Buffer<ffi::U8>>()    // panels [P, K, 8] nibbles
                                   .Arg<ffi::Buffer<ffi::F16>>()   // scales [P, K / G, 16]
                                   .Arg<ffi::Buffer<ffi::F16>>()   // mins [P, K / G, 16]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
-                                  .Attr<int32_t>("quantize_x"));
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulInt4Coded, packed_matmul_int4_coded,
                               ffi::Ffi::Bind()
@@ -660,5 +649,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulInt4Coded, packed_matmul_int4_coded,
                                   .Arg<ffi::Buffer<ffi::U8>>()    // scale codes [P, K / 32, 16]
                                   .Arg<ffi::Buffer<ffi::S8>>()    // min codes [P, K / 32, 16]
                                   .Arg<ffi::Buffer<ffi::F16>>()   // units [P, K / 32 S, 2, 16]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
-                                  .Attr<int32_t>("quantize_x"));
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]

@@ -20,11 +20,10 @@
 //
 // Up to four rows share each block of codes as it is unpacked (a prefill then runs at the byte
 // dot products' rate, not float FMAs': docs/architecture.md), and a row's integer sums do not
-// depend on its batch. Without AVX2 the same xq runs the float path, dequantized. Weight-only
-// weights (int8 whose K is not a multiple of 32: W8A16; int4 W4A16, which `pack` no longer
-// makes: an int8 weight kept on its 4-bit grid is W4A8) multiply float activations: a single
-// row with the codes widened in registers, two rows or more through the float micro-kernel on
-// the decoded panel.
+// depend on its batch. Without AVX2 the same xq runs the float path, dequantized. int4 is always
+// W4A8 (an int8 weight kept on its 4-bit grid too); int8 whose K is not a multiple of 32 is
+// weight-only (W8A16) and multiplies float activations: a single row with the codes widened
+// in registers, two rows or more through the float micro-kernel on the decoded panel.
 
 constexpr int64_t kGX = 32;  // k per activation group (and per int4 weight group)
 
@@ -231,29 +230,6 @@ void micro_row_w8(const float* x, int64_t K, const int8_t* q, const uint16_t* sc
       }
     for (int h = 0; h < 2; ++h)
       a[h] += ((c[h][0] + c[h][1]) + (c[h][2] + c[h][3])) * half8(scales + 8 * h);
-  }
-  store_row(y, cols, a[0], a[1]);
-}
-
-// One float row against an int4 panel (weight-only): per group, scale * sum q x + min * sum x,
-// `xsum` holding x's sum per group of 32.
-void micro_row_w4(const float* x, const float* xsum, int64_t K, const uint8_t* q,
-                  const Int4Params& params, float* y, int64_t cols) {
-  v8 a[2] = {};
-  for (int64_t g = 0; g < K; g += kGX) {
-    v8 c[2][4] = {};
-    for (int64_t b = g; b < g + kGX; b += 8)
-      for (int h = 0; h < 2; ++h) {
-        const u32x8 w = codes32(q + b * 8 + h * 32);
-        for (int j = 0; j < 4; ++j) {
-          c[h][j] += __builtin_convertvector((i32x8)((w >> (8 * j)) & 15), v8) * x[b + j];
-          c[h][j] += __builtin_convertvector((i32x8)((w >> (8 * j + 4)) & 15), v8) * x[b + 4 + j];
-        }
-      }
-    v8 s[2], m[2];
-    params.group(g / kGX, s, m);
-    for (int h = 0; h < 2; ++h)
-      a[h] += ((c[h][0] + c[h][1]) + (c[h][2] + c[h][3])) * s[h] + m[h] * xsum[g / kGX];
   }
   store_row(y, cols, a[0], a[1]);
 }

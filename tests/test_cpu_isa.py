@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import cpp_build, cpu_attention, cpu_matmul, cpu_rows
+from kernels import cpp_build, cpu_attention, cpu_lora, cpu_matmul, cpu_rows
 from paged_jax import compile_cache
 from tests.attention_helpers import naive
 
@@ -35,6 +35,17 @@ def built(isa: str) -> bool:
     """Both kernels built and registered for `isa` (once per process)."""
     folder = str(compile_cache.kernel_folder())
     return cpu_matmul.load(folder, isa) and cpu_attention.load(folder, isa)
+
+
+def test_the_kernels_build_wherever_a_compiler_is():
+    """Every kernel test skips where its library did not build, which must mean no compiler:
+    a build error there (a change that does not compile) would otherwise skip them all and
+    pass (the engine falls back to XLA). The native build of each library loads."""
+    if cpp_build.compiler() is None:
+        pytest.skip("no C++ compiler on this machine")
+    folder = str(compile_cache.kernel_folder())
+    for lib in (cpu_matmul, cpu_attention, cpu_lora):
+        assert lib.load(folder), f"{lib.__name__} did not build (its warning says why)"
 
 
 @pytest.fixture(params=list(cpp_build.ISAS))
