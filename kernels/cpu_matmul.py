@@ -128,8 +128,10 @@ def pack(w, weights: str = "float32", device=None, keep_grid: bool = True,
         return Packed(*_pack_int4(panels, n, put, coded=s), quantize_x=True)
     if k % 4:
         raise ValueError(f"int8 weights need an input width that is a multiple of 4, got {k}")
-    if keep_grid and k % GROUP == 0 and _on_grid(panels):  # W4A8 on the source's own grid
-        return Packed(*_pack_int4(panels, n, put, coded=0), quantize_x=True)
+    if keep_grid and k % GROUP == 0 and _on_grid(panels[:16]):  # W4A8 on the source's grid
+        kept = _pack_int4(panels, n, put, coded=0, on_grid=True)  # None: a later panel is off
+        if kept is not None:
+            return Packed(*kept, quantize_x=True)
     g = GROUP if k % GROUP == 0 else k
     q, scales = weight_codes.int8_groups(panels.reshape(p, k // g, g, NR))  # [P, K / G, 16]
     q = q.reshape(p, k // 4, 4, NR)
@@ -155,27 +157,29 @@ def _bf16_panels(panels: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(pairs, jnp.bfloat16).astype(jnp.float32)
 
 
-def _on_grid(panels: np.ndarray, chunk: int = 16) -> bool:
-    """Every 32-input group of float [P, K, 16] panels on a 4-bit grid (early out: a tensor
-    off any grid is told by its first `chunk` panels)."""
-    p, k, _ = panels.shape
-    for i in range(0, p, chunk):
-        x = panels[i:i + chunk].reshape(-1, k // GROUP, GROUP, NR)
-        if not weight_codes.on_grid(x, *weight_codes.grid4(x)):
-            return False
-    return True
+def _on_grid(panels: np.ndarray) -> bool:
+    """Every 32-input group of float [P, K, 16] panels on a 4-bit grid (`pack` asks of a
+    tensor's first panels: one off any grid is told there, before it is searched whole)."""
+    x = panels.reshape(-1, panels.shape[1] // GROUP, GROUP, NR)
+    return weight_codes.on_grid(x, *weight_codes.grid4(x))
 
 
-def _pack_int4(panels: np.ndarray, n: int, put, coded: int, chunk: int = 256) -> tuple:
+def _pack_int4(panels: np.ndarray, n: int, put, coded: int, chunk: int = 256,
+               on_grid: bool = False) -> tuple | None:
     """Int4 panels of float [P, K, 16] ones, `chunk` panels at a time (bounded host memory):
     Packed's fields from panels on, placed with `put`; group scales and mins in float16, or
-    (`coded` = S > 0) as codes and units per S groups."""
+    (`coded` = S > 0) as codes and units per S groups. `on_grid`: None unless every group
+    lies on its 4-bit grid (each chunk's grids found once, for the check and the codes)."""
     p, k, _ = panels.shape
     if k % GROUP:
         raise ValueError(f"int4 weights need an input width that is a multiple of {GROUP}, "
                          f"got {k}")
-    parts = [_int4_chunk(panels[i:i + chunk].reshape(-1, k // GROUP, GROUP, NR), coded)
-             for i in range(0, p, chunk)]
+    parts = []
+    for i in range(0, p, chunk):
+        parts.append(_int4_chunk(panels[i:i + chunk].reshape(-1, k // GROUP, GROUP, NR), coded,
+                                 on_grid))
+        if parts[-1] is None:
+            return None
     q, *params = (np.concatenate(x) for x in zip(*parts, strict=True))
     # Blocks of 8 k (cpu_matmul_quant.h): byte (b, c, j) = q[8b + j, c] | q[8b + 4 + j, c] << 4.
     q = q.reshape(p, k // 8, 2, 4, NR).transpose(0, 1, 2, 4, 3)  # [P, K/8, half, c, j]
@@ -183,9 +187,12 @@ def _pack_int4(panels: np.ndarray, n: int, put, coded: int, chunk: int = 256) ->
     return (put(nibbles), n, *(put(x) for x in params))
 
 
-def _int4_chunk(x: np.ndarray, coded: int) -> tuple:
-    """Codes [.., K / 32, 32, 16] and the group parameters of groups x of that shape."""
+def _int4_chunk(x: np.ndarray, coded: int, on_grid: bool = False) -> tuple | None:
+    """Codes [.., K / 32, 32, 16] and the group parameters of groups x of that shape (None
+    when `on_grid` asks for every group on its grid and one is not)."""
     scale, lo = weight_codes.grid4(x)
+    if on_grid and not weight_codes.on_grid(x, scale, lo):
+        return None
     if not coded:
         scale, lo = scale.astype(np.float16), lo.astype(np.float16)
         q = weight_codes.codes4(x, scale.astype(np.float32), lo.astype(np.float32))

@@ -180,6 +180,13 @@ def test_int8_keeps_a_four_bit_source_grid():
     assert cpu_matmul.pack(w, "int8", keep_grid=False).panels.dtype == jnp.int8
     w[3, 7] += 1e-3  # one weight off its block's grid
     assert cpu_matmul.pack(w, "int8").panels.dtype == jnp.int8
+    # past the first 16 panels that pack checks before searching the whole tensor
+    q = rng.integers(0, 16, (320, 32))
+    q[:, 0], q[:, 1] = 0, 15
+    w = (q * d[0, 0] + mn[0, 0]).astype(np.float32)
+    assert cpu_matmul.pack(w, "int8").panels.dtype == jnp.uint8
+    w[300, 5] += 1e-3  # in panel 18
+    assert cpu_matmul.pack(w, "int8").panels.dtype == jnp.int8
 
 
 def test_int8_rounds_each_weight_to_within_half_a_step():
