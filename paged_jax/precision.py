@@ -43,6 +43,7 @@ from paged_jax import compile_cache
 QUALITY = 0.005  # the most a faster precision may raise the passage's perplexity
 MAX_TOKENS = 256  # the passage's tokens scored (bounded: the check runs at first load)
 ROWS = (1, 16)  # the decode rows a precision's matmuls are timed at
+METHOD = 2  # what the check measures and how: a change to it must re-check cached choices
 LOG = logging.getLogger("paged_jax")
 
 PASSAGE = (
@@ -255,8 +256,8 @@ def choose(config, params, tokenizer, key: str, quantize: bool = True) -> dict:
                     "kernels do not run here")
     path = cache_file()
     seen = json.loads(path.read_text()) if path.exists() else {}
-    k = hashlib.sha256(f"{key}|{_machine()}|{QUALITY}|{MAX_TOKENS}|{ROWS}|{tried}".encode()
-                       ).hexdigest()[:20]
+    k = hashlib.sha256(f"{key}|{_machine()}|{METHOD}|{QUALITY}|{MAX_TOKENS}|{ROWS}|{tried}"
+                       .encode()).hexdigest()[:20]
     if k not in seen:
         by_weights = {w: [p for v, p in tried if v == w] for w, _ in tried}
         seen[k] = verdict({n: m for w, ps in by_weights.items()

@@ -54,6 +54,9 @@ def test_the_quality_gate_decides_and_is_checked_once(cache, monkeypatch, bf16, 
     assert precision.choose(c, None, None, "ckpt-a") == first and len(calls) == 3  # cached
     precision.choose(c, None, None, "ckpt-b")  # another checkpoint: checked again
     assert len(calls) == 6 and (cache / "precision.json").exists()
+    monkeypatch.setattr(precision, "METHOD", precision.METHOD + 1)  # the check changed
+    precision.choose(c, None, None, "ckpt-a")
+    assert len(calls) == 9
 
 
 F32, BF16 = dict(perplexity=10.0, seconds=2.0), dict(perplexity=10.01, seconds=1.0)
