@@ -407,16 +407,12 @@ def chain_seconds(params, batch: int, repeats: int = 10) -> float:
     kernel on packed params), best of `repeats`: what no engine with those matmuls can beat."""
     import jax.numpy as jnp
 
+    from paged_jax.precision import best_of
+
     f, head = matmul_chain(params)
     layers, embed = params["layers"], params["embed"]
-    x = jnp.full((batch, embed.shape[1]), 0.01, embed.dtype)
-    f(layers, head, x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(layers, head, x).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return best
+    return best_of(f, (layers, head, jnp.full((batch, embed.shape[1]), 0.01, embed.dtype)),
+                   repeats)
 
 
 def reference_side(runs: dict, caching: bool) -> str:

@@ -118,6 +118,7 @@ def test_the_passage_perplexity_is_measured_on_every_path(cache):
     for weights, pages in (("bfloat16", None), ("float32", "bfloat16")):
         got = precision.passage_perplexity(c, params, tok, weights, pages=pages)
         assert 1 < f32 < float("inf") and abs(got / f32 - 1) < 0.05, (f32, got, weights)
+        assert got != f32  # bfloat16 somewhere: the weights, or the pages asked for
     assert precision.measure(c, params, tok, "int8", ["float32"]) == {
         "int8": dict(kept_grid=0.0)}  # random weights
     snapped = precision.measure(c, snap_to_grids(params), tok, "int8", ["float32", "bfloat16"])
